@@ -1,0 +1,49 @@
+"""Graph passes: pure steps ``GraphModule -> GraphModule`` that talk only through ``node.meta["remat.*"]``.
+
+Keys written (each documented in the pass that writes it):
+
+- ``remat.phase``: "input" | "tangent" | "fw" | "bw" | "output"            (:mod:`passes.phases`)
+- ``remat.storage``: name of the node that owns this value's storage, or None for tuples and scalars;
+  ``remat.bytes``: bytes of new storage this node allocates (0 for views, aliases and tuples);
+  ``remat.tuple``: True for multi-output nodes                             (:mod:`passes.storage`)
+- ``remat.flops``, ``remat.runtime_s``, ``remat.comm_bytes``, ``remat.never_recompute``,
+  ``remat.reason``                                                        (:mod:`passes.costs`)
+- ``remat.module``, ``remat.block``                                      (:mod:`passes.blocks`)
+- ``remat.moe``: role of a node inside an MoE segment                    (:mod:`passes.moe`)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from passes.blocks import annotate_blocks
+from passes.costs import CostModel, annotate_costs
+from passes.phases import annotate_phases
+from passes.storage import annotate_storage
+
+__all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "annotate_costs",
+           "annotate_blocks"]
+
+
+def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None
+               ) -> fx.GraphModule:
+    """Run the standard pass list over a joint graph and return it.
+
+    Parameters
+    ----------
+    gm : fx.GraphModule
+        The joint forward+backward graph from :func:`remat_compiler.trace.trace`.
+    num_fwd_outputs : int
+        How many of the joint graph's outputs are forward outputs.
+    cost_model : CostModel, optional
+        Compute rate, memory and link bandwidth for the runtime estimate.
+    """
+    gm.graph.eliminate_dead_code()
+    gm = annotate_phases(gm, num_fwd_outputs=num_fwd_outputs)
+    gm = annotate_storage(gm)
+    gm = annotate_costs(gm, cost_model or CostModel())
+    gm = annotate_blocks(gm)
+    try:
+        from passes.moe import tag_moe_segments
+    except ImportError:  # the MoE pass is optional while it is being built
+        return gm
+    return tag_moe_segments(gm)

@@ -1,0 +1,105 @@
+"""Pass: what each node costs to (re)compute, and whether it may be recomputed at all.
+
+Writes on every call_function node:
+
+- ``remat.flops``: FLOPs from ``torch.utils.flop_counter``'s registry (matmul, convolution, attention;
+  0 for ops it does not count);
+- ``remat.comm_bytes``: bytes a collective moves over the link (0 for other ops);
+- ``remat.runtime_s``: a roofline estimate, ``max(flops / compute rate, bytes read and written /
+  memory bandwidth) + comm_bytes / link bandwidth``; views and aliases cost 0;
+- ``remat.never_recompute`` and ``remat.reason``: random ops (their RNG state is not replayed), ops that
+  mutate their inputs and other side effects must not be recomputed blindly.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+from passes.storage import BYTES, STORAGE
+
+__all__ = ["CostModel", "annotate_costs", "is_collective"]
+
+FLOPS = "remat.flops"
+RUNTIME = "remat.runtime_s"
+COMM = "remat.comm_bytes"
+NEVER = "remat.never_recompute"
+REASON = "remat.reason"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, a 25 GB/s link)."""
+
+    compute_flops_per_s: float = 1.0e11
+    memory_bytes_per_s: float = 2.0e10
+    link_bytes_per_s: float = 2.5e10
+
+
+def is_collective(node: fx.Node) -> bool:
+    """True for functional collectives (all-to-all, all-reduce, ...) in a traced graph."""
+    target = node.target
+    ns = getattr(target, "namespace", None)
+    name = getattr(target, "__name__", "")
+    return ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and \
+        not name.startswith("wait_tensor")
+
+
+def _tensor_bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return int(x.numel() * x.element_size())
+    return 0
+
+
+def _flops(node: fx.Node) -> int:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is None or packet not in flop_registry:
+        return 0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
+    return int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+
+
+def _never_recompute(node: fx.Node) -> str | None:
+    target = node.target
+    if node.target is operator.getitem:
+        parent = node.args[0]
+        return parent.meta.get(REASON) if parent.meta.get(NEVER) else None
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return f"random op {target} (its RNG state is not replayed)"
+        if target._schema.is_mutable:
+            return f"mutates its input ({target})"
+    if node.is_impure() and not is_collective(node) and \
+            getattr(target, "__name__", "") != "wait_tensor.default":
+        return f"side effect ({target})"
+    return None
+
+
+def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
+    """Annotate FLOPs, communication bytes, runtime and recompute flags on every node of ``gm``."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            n.meta[FLOPS], n.meta[RUNTIME], n.meta[COMM], n.meta[NEVER] = 0, 0.0, 0, False
+            continue
+        is_alias = n.meta.get(STORAGE) not in (None, n.name)
+        is_getitem = n.target is operator.getitem
+        flops = _flops(n)
+        comm = 0
+        if is_collective(n):
+            comm = sum(_tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+        if is_alias or is_getitem:
+            runtime = 0.0
+        else:
+            moved = sum(_tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+            val = n.meta.get("val")
+            moved += sum(_tensor_bytes(v) for v in pytree.tree_leaves(val))
+            runtime = max(flops / cost_model.compute_flops_per_s, moved / cost_model.memory_bytes_per_s)
+            runtime += comm / cost_model.link_bytes_per_s
+        reason = _never_recompute(n)
+        n.meta[FLOPS], n.meta[COMM], n.meta[RUNTIME] = flops, comm, runtime
+        n.meta[NEVER], n.meta[REASON] = reason is not None, reason
+    return gm

@@ -1,0 +1,47 @@
+"""Pass: which part of the training step each joint-graph node belongs to (``meta["remat.phase"]``).
+
+- "input": parameters, buffers and inputs (``primals_*``), resident before the step;
+- "tangent": gradients of the outputs (``tangents_*``), created by the step;
+- "fw": nodes the forward must run to produce its outputs (and the other outputs of multi-output
+  forward ops, such as a dropout mask);
+- "bw": everything else, run in backward. Nodes AOTAutograd tags as forward but that only backward
+  uses (``detach`` of an activation, a transposed weight) are "bw": they are computed once, where needed.
+- "output": the output node.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+__all__ = ["annotate_phases", "PHASE"]
+
+PHASE = "remat.phase"
+
+
+def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
+    """Write ``meta["remat.phase"]`` on every node; also sets ``gm.meta["remat.num_fwd_outputs"]``."""
+    graph = gm.graph
+    output = next(iter(graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    fw_outputs = [o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    needed: set[fx.Node] = set()
+    stack = list(fw_outputs)
+    while stack:
+        n = stack.pop()
+        if n in needed or n.op == "placeholder":
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in list(needed):
+        if n.users and all(u.target is operator.getitem for u in n.users):
+            needed.update(n.users)
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            n.meta[PHASE] = "tangent" if n.name.startswith("tangents") else "input"
+        elif n.op == "output":
+            n.meta[PHASE] = "output"
+        else:
+            n.meta[PHASE] = "fw" if n in needed else "bw"
+    gm.meta["remat.num_fwd_outputs"] = num_fwd_outputs
+    return gm

@@ -1,0 +1,44 @@
+"""Pass: which storage each value lives in and how many new bytes each node allocates.
+
+Writes ``meta["remat.storage"]`` (the name of the node that first produced this storage; a view or an
+alias names its base), ``meta["remat.bytes"]`` (the storage's bytes on the node that owns it, 0 on views,
+aliases, tuples and non-tensors) and ``meta["remat.tuple"]`` (a multi-output node; its tensors belong
+to its ``getitem`` users). Aliasing is read from the FakeTensors' storage identity, so every view op,
+``detach`` and ``_unsafe_view`` is handled without a list of op names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["annotate_storage", "STORAGE", "BYTES", "TUPLE"]
+
+STORAGE = "remat.storage"
+BYTES = "remat.bytes"
+TUPLE = "remat.tuple"
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return int(t.numel() * t.element_size())
+
+
+def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
+    """Annotate storage ownership and allocated bytes on every node of ``gm``."""
+    owner: dict[StorageWeakRef, str] = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        n.meta[TUPLE] = isinstance(val, (tuple, list))
+        if isinstance(val, torch.Tensor):
+            key = StorageWeakRef(val.untyped_storage())
+            if key in owner:
+                n.meta[STORAGE], n.meta[BYTES] = owner[key], 0
+            else:
+                owner[key] = n.name
+                n.meta[STORAGE], n.meta[BYTES] = n.name, _storage_bytes(val)
+        else:
+            n.meta[STORAGE], n.meta[BYTES] = None, 0
+    return gm

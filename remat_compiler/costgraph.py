@@ -1,0 +1,210 @@
+"""CostGraph: the joint graph as a networkx DiGraph with per-node memory and compute costs.
+
+Nodes are the joint graph's node names; an edge ``u -> v`` means v reads u. Node attributes come from
+the passes' ``remat.*`` meta keys:
+
+=================  =====================================================================
+``phase``          "input", "tangent", "fw" or "bw"
+``order``          position in the joint graph
+``storage``        owner of the value's storage (itself, its base for views; None for tuples)
+``bytes``          bytes of new storage the node allocates (0 for views, aliases, tuples)
+``flops``          FLOPs (flop counter registry)
+``runtime_s``      roofline runtime estimate, communication included
+``comm_bytes``     bytes a collective moves
+``never_recompute``  random, mutating or side-effecting op
+``is_tuple``       multi-output node (its tensors belong to its getitem users)
+``op``, ``shape``, ``dtype``, ``module``, ``block``, ``moe``  for people and hand-picked strategies
+=================  =====================================================================
+
+Graph attributes: ``fw_outputs`` / ``bw_outputs`` (node names, None for absent gradients),
+``block_container``, ``fingerprint`` (a hash of the graph's structure, shapes and dtypes).
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+from functools import cached_property
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+__all__ = ["CostGraph"]
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "placeholder"
+    if node.target is operator.getitem:
+        return "getitem"
+    return str(node.target)
+
+
+class CostGraph:
+    """A networkx view of an annotated joint graph, plus the derived sets every solver needs.
+
+    Build it with :meth:`from_graph_module`; the DiGraph is ``cg.g``.
+    """
+
+    def __init__(self, g: nx.DiGraph):
+        self.g = g
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_graph_module(cls, gm: fx.GraphModule) -> "CostGraph":
+        """Build the CostGraph of a joint graph that :func:`passes.run_passes` annotated.
+
+        Raises
+        ------
+        ValueError
+            If the graph lacks the ``remat.*`` annotations (run the passes first).
+        """
+        g = nx.DiGraph()
+        num_fwd = gm.meta.get("remat.num_fwd_outputs")
+        if num_fwd is None:
+            raise ValueError("graph is not annotated: run passes.run_passes(gm, num_fwd_outputs=...) first")
+        for i, n in enumerate(gm.graph.nodes):
+            if n.op == "output":
+                outs = list(n.args[0])
+                g.graph["fw_outputs"] = [o.name if isinstance(o, fx.Node) else None
+                                         for o in outs[:num_fwd]]
+                g.graph["bw_outputs"] = [o.name if isinstance(o, fx.Node) else None
+                                         for o in outs[num_fwd:]]
+                continue
+            val = n.meta.get("val")
+            g.add_node(
+                n.name,
+                order=i,
+                phase=n.meta["remat.phase"],
+                storage=n.meta["remat.storage"],
+                bytes=int(n.meta["remat.bytes"]),
+                flops=int(n.meta.get("remat.flops", 0)),
+                runtime_s=float(n.meta.get("remat.runtime_s", 0.0)),
+                comm_bytes=int(n.meta.get("remat.comm_bytes", 0)),
+                never_recompute=bool(n.meta.get("remat.never_recompute", False)),
+                reason=n.meta.get("remat.reason"),
+                is_tuple=bool(n.meta.get("remat.tuple", False)),
+                op=_op_name(n),
+                shape=tuple(val.shape) if isinstance(val, torch.Tensor) else None,
+                dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else None,
+                module=n.meta.get("remat.module", ""),
+                block=n.meta.get("remat.block"),
+                moe=n.meta.get("remat.moe"),
+            )
+            for a in n.all_input_nodes:
+                g.add_edge(a.name, n.name)
+        g.graph["block_container"] = gm.meta.get("remat.block_container")
+        cg = cls(g)
+        g.graph["fingerprint"] = cg._compute_fingerprint()
+        return cg
+
+    # ------------------------------------------------------------------ basic views
+    def __len__(self) -> int:
+        return self.g.number_of_nodes()
+
+    def attr(self, name: str, key: str):
+        return self.g.nodes[name][key]
+
+    @cached_property
+    def order(self) -> list[str]:
+        """All node names in joint-graph order."""
+        return sorted(self.g.nodes, key=lambda n: self.g.nodes[n]["order"])
+
+    def _phase(self, phase: str) -> list[str]:
+        return [n for n in self.order if self.g.nodes[n]["phase"] == phase]
+
+    @cached_property
+    def fw_order(self) -> list[str]:
+        """Forward nodes in the order the forward runs them."""
+        return self._phase("fw")
+
+    @cached_property
+    def bw_order(self) -> list[str]:
+        """Backward nodes in the order the backward runs them (recomputation is inserted between)."""
+        return self._phase("bw")
+
+    @cached_property
+    def inputs(self) -> list[str]:
+        return self._phase("input")
+
+    @cached_property
+    def tangents(self) -> list[str]:
+        return self._phase("tangent")
+
+    @property
+    def fw_outputs(self) -> list[str | None]:
+        return self.g.graph["fw_outputs"]
+
+    @property
+    def bw_outputs(self) -> list[str | None]:
+        return self.g.graph["bw_outputs"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.g.graph["fingerprint"]
+
+    def preds(self, name: str) -> list[str]:
+        """Inputs of a node, in joint-graph order."""
+        return sorted(self.g.predecessors(name), key=lambda n: self.g.nodes[n]["order"])
+
+    def storage(self, name: str) -> str | None:
+        return self.g.nodes[name]["storage"]
+
+    # ------------------------------------------------------------------ derived sets
+    @cached_property
+    def held_storages(self) -> frozenset[str]:
+        """Storages that outlive the step's backward: forward outputs (the caller holds them)."""
+        return frozenset(self.storage(o) for o in self.fw_outputs if o is not None
+                         and self.storage(o) is not None
+                         and self.g.nodes[self.storage(o)]["phase"] == "fw")
+
+    @cached_property
+    def candidates(self) -> list[str]:
+        """Forward values a plan decides about: storage owners with bytes, not held by the caller.
+
+        Each is either saved for backward (kept alive from the forward) or, if backward needs it,
+        recomputed just before its first use there.
+        """
+        return [n for n in self.fw_order
+                if self.storage(n) == n and self.g.nodes[n]["bytes"] > 0 and n not in self.held_storages]
+
+    @cached_property
+    def fw_index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.fw_order)}
+
+    @cached_property
+    def bw_index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.bw_order)}
+
+    def is_available_in_bw(self, name: str) -> bool:
+        """True for values backward always has: inputs, tangents, and storages the caller holds."""
+        node = self.g.nodes[name]
+        if node["phase"] in ("input", "tangent"):
+            return True
+        st = node["storage"]
+        return st is not None and st == name and st in self.held_storages
+
+    def recompute_cost_s(self, name: str) -> float:
+        return self.g.nodes[name]["runtime_s"]
+
+    def summary(self) -> dict:
+        """Counts and totals, for logs and the CLI."""
+        return {
+            "nodes": len(self),
+            "fw_nodes": len(self.fw_order),
+            "bw_nodes": len(self.bw_order),
+            "candidates": len(self.candidates),
+            "fw_flops": sum(self.g.nodes[n]["flops"] for n in self.fw_order),
+            "bw_flops": sum(self.g.nodes[n]["flops"] for n in self.bw_order),
+        }
+
+    def _compute_fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for n in self.order:
+            a = self.g.nodes[n]
+            h.update(f"{n}|{a['op']}|{a['phase']}|{a['shape']}|{a['dtype']}|".encode())
+            h.update(",".join(self.preds(n)).encode())
+            h.update(b";")
+        h.update(repr(self.fw_outputs).encode())
+        h.update(repr(self.bw_outputs).encode())
+        return h.hexdigest()[:16]

@@ -1,0 +1,43 @@
+"""Errors raised by remat_compiler, each saying what is wrong and what to do."""
+from __future__ import annotations
+
+__all__ = ["RematError", "InfeasibleBudgetError", "UntraceableModelError", "PlanMismatchError",
+           "PlanCheckError"]
+
+
+class RematError(Exception):
+    """Base class of every error remat_compiler raises on purpose."""
+
+
+class InfeasibleBudgetError(RematError, ValueError):
+    """The memory budget is below the smallest peak any plan can reach.
+
+    Attributes
+    ----------
+    budget_bytes : int
+        The budget that was asked for.
+    min_feasible_bytes : int
+        The smallest step peak a plan reaches on this graph; a budget at least this large works.
+    """
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int):
+        from remat_compiler.budget import human_bytes
+
+        self.budget_bytes = int(budget_bytes)
+        self.min_feasible_bytes = int(min_feasible_bytes)
+        super().__init__(
+            f"memory budget {budget_bytes} bytes ({human_bytes(budget_bytes)}) is infeasible: the "
+            f"smallest feasible budget for this model and input is {min_feasible_bytes} bytes "
+            f"({human_bytes(min_feasible_bytes)}); pass memory_budget >= {min_feasible_bytes}")
+
+
+class UntraceableModelError(RematError):
+    """The model's forward and backward could not be captured as a graph."""
+
+
+class PlanMismatchError(RematError, ValueError):
+    """A saved plan was made for a different graph than the one it is applied to."""
+
+
+class PlanCheckError(RematError, AssertionError):
+    """The independent liveness simulation rejected a plan (a solver bug, never a user error)."""

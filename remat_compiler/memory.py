@@ -1,0 +1,78 @@
+"""Measure what a training step really allocates: live tensor-storage bytes, tracked op by op.
+
+:class:`LiveStorageTracker` is a ``TorchDispatchMode``: every aten op's outputs that do not share
+storage with its inputs are new allocations; a weak reference on each storage tells when it is freed.
+The peak is the largest sum of live new storage bytes, i.e. the step's peak above what was resident
+before it (parameters, inputs and optimizer state are not counted, parameter gradients created in
+backward are). Allocator caching and kernel workspaces are not storages and are not counted.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LiveStorageTracker", "measure_step_peak"]
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Track live bytes of storages allocated inside the ``with`` block.
+
+    Attributes
+    ----------
+    current_bytes, peak_bytes : int
+        Live new-storage bytes now, and the most at any time.
+    timeline : list[int]
+        ``current_bytes`` after every op (for pictures).
+
+    Example
+    -------
+    >>> with LiveStorageTracker() as mem:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> mem.peak_bytes  # doctest: +SKIP
+    """
+
+    def __init__(self, record_timeline: bool = False):
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.timeline: list[int] = [] if record_timeline else None
+        self._live: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        nbytes = self._live.pop(key, None)
+        if nbytes is not None:
+            self.current_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = set()
+        for x in pytree.tree_leaves((args, kwargs)):
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+                inputs.add(x.untyped_storage()._cdata)
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in inputs or key in self._live:
+                continue
+            nbytes = st.nbytes()
+            self._live[key] = nbytes
+            self.current_bytes += nbytes
+            weakref.finalize(st, self._free, key)
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+        if self.timeline is not None:
+            self.timeline.append(self.current_bytes)
+        return out
+
+
+def measure_step_peak(step_fn, record_timeline: bool = False) -> LiveStorageTracker:
+    """Run ``step_fn()`` (forward + backward) under a tracker and return the tracker."""
+    tracker = LiveStorageTracker(record_timeline=record_timeline)
+    with tracker:
+        step_fn()
+    return tracker

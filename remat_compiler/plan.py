@@ -1,0 +1,283 @@
+"""Plan: what a solver decided (what is saved, what is recomputed and where), and what it costs.
+
+A Plan is plain data: it can be printed (:meth:`Plan.explain`), written as JSON and read back
+(:meth:`Plan.to_json`, :meth:`Plan.from_json`), and checked by :func:`remat_compiler.check.check_plan`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from remat_compiler.budget import human_bytes
+from remat_compiler.costgraph import CostGraph
+from remat_compiler.errors import PlanMismatchError
+from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simulate
+
+__all__ = ["Plan", "ValueInfo", "make_plan", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ValueInfo:
+    """One saved or recomputed value, for tables and JSON."""
+
+    name: str
+    op: str
+    shape: list[int] | None
+    dtype: str | None
+    bytes: int
+    flops: int
+    runtime_s: float
+    decision: str  # "saved" | "recomputed"
+    reason: str
+    module: str = ""
+
+
+@dataclass
+class Plan:
+    """A recomputation plan for one traced graph and one budget.
+
+    Attributes
+    ----------
+    budget_bytes : int | None
+        The budget the plan was made for (None: unlimited).
+    peak_bytes : int
+        Predicted peak of the step above what was resident before it (the simulator's number).
+    baseline_peak_bytes : int
+        The no-recompute (save-all) plan's peak.
+    saved, recomputed : list[str]
+        Saved forward values; forward nodes recomputed in backward (in recompute order).
+    recompute_flops, baseline_flops : int
+        FLOPs recomputed; FLOPs of the step without recomputation (forward + backward).
+    recompute_s, baseline_s : float
+        The same as roofline runtime estimates (communication included).
+    recompute_comm_bytes : int
+        Collective bytes sent again because of recomputation.
+    solver, status, gap, solve_time_s :
+        Who made it; "optimal" or "feasible"; proven relative gap of the cost (0 when optimal);
+        wall time of the solve.
+    model_peak_bytes : int
+        The solver's own bound on the peak (>= peak_bytes; equal for exact models).
+    min_feasible_bytes : int | None
+        The smallest peak any plan reaches on this graph, when the solver computed it.
+    fingerprint : str
+        The traced graph's fingerprint; a plan applies only to a graph with the same one.
+    schedule : Schedule
+        The full schedule codegen emits.
+    values : list[ValueInfo]
+        Every saved and recomputed value with its costs and the reason for the decision.
+    """
+
+    budget_bytes: int | None
+    peak_bytes: int
+    baseline_peak_bytes: int
+    saved: list[str]
+    recomputed: list[str]
+    recompute_flops: int
+    baseline_flops: int
+    recompute_s: float
+    baseline_s: float
+    recompute_comm_bytes: int
+    solver: str
+    status: str
+    gap: float
+    solve_time_s: float
+    model_peak_bytes: int
+    fingerprint: str
+    schedule: Schedule
+    values: list[ValueInfo] = field(default_factory=list)
+    min_feasible_bytes: int | None = None
+    extras: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def flop_overhead(self) -> float:
+        """Recomputed FLOPs as a fraction of the step's FLOPs (0.1 = 10% more)."""
+        return self.recompute_flops / self.baseline_flops if self.baseline_flops else 0.0
+
+    @property
+    def runtime_overhead(self) -> float:
+        return self.recompute_s / self.baseline_s if self.baseline_s else 0.0
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(v.bytes for v in self.values if v.decision == "saved")
+
+    def digest(self) -> str:
+        """A hash of the decisions (saved set and schedule); equal plans have equal digests."""
+        payload = json.dumps({"fp": self.fingerprint, "schedule": self.schedule.to_json()}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ people
+    def explain(self, max_rows: int = 40) -> str:
+        """A table of what is saved and recomputed and why, with totals.
+
+        Example
+        -------
+        >>> print(plan.explain())  # doctest: +SKIP
+        """
+        head = [
+            f"plan by {self.solver}: {self.status}"
+            + (f" (gap {self.gap:.2%})" if self.status != "optimal" else "")
+            + f", solved in {self.solve_time_s:.2f} s",
+            f"budget            {human_bytes(self.budget_bytes) if self.budget_bytes else 'unlimited'}",
+            f"predicted peak    {human_bytes(self.peak_bytes)}  ({self.peak_bytes} bytes)",
+            f"no-recompute peak {human_bytes(self.baseline_peak_bytes)}",
+            f"recompute         {len(self.recomputed)} nodes, {self.recompute_flops:,} FLOPs "
+            f"({self.flop_overhead:.1%} of the step), est. {self.recompute_s * 1e3:.3f} ms "
+            f"({self.runtime_overhead:.1%})"
+            + (f", {human_bytes(self.recompute_comm_bytes)} all-to-all again"
+               if self.recompute_comm_bytes else ""),
+            f"saved             {len([v for v in self.values if v.decision == 'saved'])} values, "
+            f"{human_bytes(self.saved_bytes)}",
+        ]
+        rows = [("name", "op", "shape", "bytes", "FLOPs", "decision", "reason")]
+        ordered = sorted(self.values, key=lambda v: (v.decision != "saved", -v.bytes))
+        for v in ordered[:max_rows]:
+            rows.append((v.name, v.op.replace("aten.", ""), "x".join(map(str, v.shape or [])) or "-",
+                         human_bytes(v.bytes), f"{v.flops:,}", v.decision, v.reason))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if len(ordered) > max_rows:
+            lines.append(f"... {len(ordered) - max_rows} more rows (to_json() has them all)")
+        return "\n".join(head + [""] + lines)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> str:
+        """The plan as a JSON document with a schema version."""
+        d = asdict(self)
+        d["schedule"] = self.schedule.to_json()
+        d["schema_version"] = SCHEMA_VERSION
+        d["digest"] = self.digest()
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Read a plan written by :meth:`to_json`.
+
+        Raises
+        ------
+        ValueError
+            If the text is not a plan document, has another schema version, or its digest does
+            not match its content (a corrupt or edited file).
+        """
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a plan: invalid JSON ({exc})") from exc
+        if not isinstance(d, dict) or "schema_version" not in d:
+            raise ValueError("not a plan document: no schema_version")
+        if d["schema_version"] != SCHEMA_VERSION:
+            raise ValueError(f"plan schema version {d['schema_version']} is not supported "
+                             f"(this remat_compiler reads version {SCHEMA_VERSION}); re-plan the model")
+        digest = d.pop("digest", None)
+        d.pop("schema_version")
+        d["schedule"] = Schedule.from_json(d["schedule"])
+        d["values"] = [ValueInfo(**v) for v in d["values"]]
+        try:
+            plan = cls(**d)
+        except TypeError as exc:
+            raise ValueError(f"not a plan document: {exc}") from exc
+        if digest != plan.digest():
+            raise ValueError("plan document is corrupt: its digest does not match its schedule")
+        return plan
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the JSON atomically (a temporary file in the same folder, then a rename)."""
+        atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+    def check_applies_to(self, cg: CostGraph) -> None:
+        """Raise PlanMismatchError unless this plan was made for ``cg``'s graph."""
+        if self.fingerprint != cg.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for graph {self.fingerprint}, but the model traces to graph "
+                f"{cg.fingerprint}: a plan applies only to the same model, input shapes and dtypes; "
+                f"re-plan with this model")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never half."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _reason_saved(cg: CostGraph, n: str) -> str:
+    a = cg.g.nodes[n]
+    if a["never_recompute"]:
+        return f"must save: {a['reason']}"
+    if a["runtime_s"] > 0 and a["bytes"] > 0:
+        return f"recompute would cost {a['runtime_s'] * 1e6:.1f} us for {human_bytes(a['bytes'])}"
+    return "backward reads it"
+
+
+def _reason_recomputed(cg: CostGraph, n: str) -> str:
+    a = cg.g.nodes[n]
+    if a["bytes"] == 0:
+        return "free: view or multi-output op" if a["runtime_s"] == 0 else "needed for a recomputed value"
+    return f"frees {human_bytes(a['bytes'])} between forward and first use for {a['runtime_s'] * 1e6:.1f} us"
+
+
+def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, status: str = "optimal",
+              gap: float = 0.0, solve_time_s: float = 0.0, model_peak_bytes: int | None = None,
+              min_feasible_bytes: int | None = None, baseline_peak_bytes: int | None = None,
+              extras: dict | None = None) -> Plan:
+    """Build a Plan from a saved set: derive the schedule and simulate its memory and cost."""
+    schedule = build_schedule(cg, saved)
+    sim = simulate(cg, schedule)
+    if baseline_peak_bytes is None:
+        baseline_peak_bytes = simulate(cg, build_schedule(cg, save_all_set(cg))).peak_bytes
+    step_nodes = [*cg.fw_order, *cg.bw_order]
+    values = []
+    for n in schedule.saved:
+        a = cg.g.nodes[n]
+        values.append(ValueInfo(n, a["op"], list(a["shape"]) if a["shape"] else None, a["dtype"],
+                                a["bytes"], a["flops"], a["runtime_s"], "saved", _reason_saved(cg, n),
+                                a["module"]))
+    for n in schedule.recomputed:
+        a = cg.g.nodes[n]
+        values.append(ValueInfo(n, a["op"], list(a["shape"]) if a["shape"] else None, a["dtype"],
+                                a["bytes"], a["flops"], a["runtime_s"], "recomputed",
+                                _reason_recomputed(cg, n), a["module"]))
+    return Plan(
+        budget_bytes=budget_bytes,
+        peak_bytes=sim.peak_bytes,
+        baseline_peak_bytes=baseline_peak_bytes,
+        saved=list(schedule.saved),
+        recomputed=list(schedule.recomputed),
+        recompute_flops=sim.recompute_flops,
+        baseline_flops=sum(cg.attr(n, "flops") for n in step_nodes),
+        recompute_s=sim.recompute_s,
+        baseline_s=sum(cg.attr(n, "runtime_s") for n in step_nodes),
+        recompute_comm_bytes=sim.recompute_comm_bytes,
+        solver=solver,
+        status=status,
+        gap=gap,
+        solve_time_s=solve_time_s,
+        model_peak_bytes=sim.peak_bytes if model_peak_bytes is None else model_peak_bytes,
+        fingerprint=cg.fingerprint,
+        schedule=schedule,
+        values=values,
+        min_feasible_bytes=min_feasible_bytes,
+        extras=dict(extras or {}),
+    )

@@ -1,0 +1,338 @@
+"""The main solver: OR-Tools CP-SAT over save/recompute decisions, bounded by the step's simulated peak.
+
+Model (Moccasin-style, O(nodes + edges) variables), on one time axis: forward steps ``0..F-1``, then
+backward steps ``F..F+B-1`` (the simulator's steps, see :mod:`remat_compiler.schedule`):
+
+- ``s[v]`` (candidates only): v is saved from the forward;
+- ``r[v]``: v is recomputed in backward (0 for random / mutating ops); ``n[v]``: backward needs v,
+  directly or because something recomputed reads it; ``r[v] >= n[v] - s[v]``, ``s[v] <= n[v]``;
+- ``st[v]``: backward step where v is recomputed, at or before each step that needs it (a
+  multi-output op's outputs are taken at its own step); ``last[v]``: last backward step that reads
+  v's storage (directly, through a view, or by a recomputation);
+- memory: one ``add_cumulative`` over every value's live interval. A candidate's forward interval is
+  fixed; saving it adds the optional interval ``[end of forward use, F + last[v]]``; recomputing it adds
+  ``[F + st[v], F + last[v]]``. Everything the plan does not change (tangents, backward values,
+  outputs) enters as fixed intervals. Its capacity is the peak variable, at most the budget.
+
+The constraints only ever over-estimate what the simulator computes for the same saved set (an earlier
+start, a later end) and are exact at the tightest assignment, so the optimum equals the best plan the
+simulator accepts, and every plan found fits when simulated. Objective: minimise the recompute cost
+(roofline runtime in integer nanoseconds, communication included); a second solve then minimises the
+peak at that cost, so a larger budget never gives a plan with a larger peak for nothing.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from functools import reduce
+
+from ortools.sat.python import cp_model
+
+from remat_compiler.costgraph import CostGraph
+from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.plan import Plan, make_plan
+from remat_compiler.schedule import build_schedule, save_all_set, simulate
+
+__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
+           "build_model"]
+
+
+def cost_units(cg: CostGraph, n: str) -> int:
+    """Integer recompute cost of a node: its runtime estimate in ns, at least 1 for a real op."""
+    rt = cg.attr(n, "runtime_s")
+    return 0 if rt <= 0 else max(1, math.ceil(rt * 1e9))
+
+
+def plan_cost_units(cg: CostGraph, plan: Plan) -> int:
+    """The objective value of a plan: the summed integer cost of what it recomputes."""
+    return sum(cost_units(cg, n) for n in plan.recomputed)
+
+
+@dataclass
+class RematModel:
+    """A built CP-SAT model and the handles to read a solution back."""
+
+    model: cp_model.CpModel
+    saved: dict[str, cp_model.IntVar]
+    recomputed: dict[str, cp_model.IntVar]
+    peak: cp_model.IntVar
+    cost: cp_model.LinearExpr
+    unit_bytes: int
+    fixed_peak_bytes: int
+
+
+def _storage_readers(cg: CostGraph):
+    """For each storage owner: forward steps, backward steps and forward nodes that read it."""
+    fw_reads: dict[str, int] = {}
+    bw_reads: dict[str, int] = {}
+    rc_readers: dict[str, set[str]] = {}
+    F = len(cg.fw_order)
+    for i, u in enumerate(cg.fw_order):
+        for p in cg.preds(u):
+            o = cg.storage(p)
+            if o is None:
+                continue
+            fw_reads[o] = max(fw_reads.get(o, -1), i)
+            rc_readers.setdefault(o, set()).add(u)
+    for j, b in enumerate(cg.bw_order):
+        for p in cg.preds(b):
+            o = cg.storage(p)
+            if o is None:
+                continue
+            bw_reads[o] = max(bw_reads.get(o, -1), j)
+    return F, fw_reads, bw_reads, rc_readers
+
+
+def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cost",
+                max_cost: int | None = None, forced_saved=(), forbidden_saved=()) -> RematModel:
+    """Build the CP-SAT model of a CostGraph.
+
+    Parameters
+    ----------
+    cg : CostGraph
+    budget_bytes : int | None
+        Upper bound of the peak variable (None: unbounded).
+    minimize : "cost" | "peak"
+        The objective.
+    max_cost : int, optional
+        Upper bound on the recompute cost (for the second, peak-minimising solve).
+    forced_saved, forbidden_saved : iterables of candidate names
+        Hard constraints from user policies (``save_only``, ``never_save``...).
+    """
+    m = cp_model.CpModel()
+    F, fw_reads, bw_reads, rc_readers = _storage_readers(cg)
+    B = len(cg.bw_order)
+    cands = cg.candidates
+    cand_set = set(cands)
+    horizon = F + B
+
+    # Fixed intervals: everything whose life the plan does not change, from the save-all simulation.
+    base = simulate(cg, build_schedule(cg, save_all_set(cg)))
+    fixed = [(a, z, size) for (owner, _kind), (a, z, size) in base.intervals.items()
+             if owner not in cand_set and size > 0]
+    sizes = [cg.attr(c, "bytes") for c in cands] + [s for _, _, s in fixed]
+    unit = reduce(math.gcd, [s for s in sizes if s > 0], 0) or 1
+
+    # Model nodes: forward nodes backward might need (not always available).
+    M = [v for v in cg.fw_order if not cg.is_available_in_bw(v)]
+    in_m = set(M)
+    direct_first: dict[str, int] = {}
+    direct = set()
+    for j, b in enumerate(cg.bw_order):
+        for p in cg.preds(b):
+            if p in in_m:
+                direct.add(p)
+                direct_first.setdefault(p, j)
+
+    s, r, need, st = {}, {}, {}, {}
+    for v in M:
+        need[v] = m.new_constant(1) if v in direct else m.new_bool_var(f"n_{v}")
+        if cg.attr(v, "never_recompute"):
+            r[v] = m.new_constant(0)
+        else:
+            r[v] = m.new_bool_var(f"r_{v}")
+        if v in cand_set:
+            s[v] = m.new_bool_var(f"s_{v}")
+            m.add(s[v] <= need[v])
+            m.add(r[v] + s[v] >= need[v])
+            m.add(r[v] + s[v] <= 1)
+        else:
+            m.add(r[v] == need[v])
+        hi = direct_first.get(v, B - 1)
+        st[v] = m.new_int_var(0, hi, f"st_{v}")
+    for v in forced_saved:
+        if v in s:
+            m.add(s[v] == 1)
+    for v in forbidden_saved:
+        if v in s:
+            m.add(s[v] == 0)
+
+    # needs and start times through recomputation edges
+    for u in M:
+        for p in cg.preds(u):
+            if p not in in_m:
+                continue
+            m.add_implication(r[u], need[p])
+            m.add(st[p] <= st[u]).only_enforce_if(r[u])
+        if cg.attr(u, "op") == "getitem":
+            parent = cg.preds(u)[0]
+            if parent in in_m:
+                m.add(st[u] == st[parent]).only_enforce_if(r[u])
+
+    # memory
+    intervals, demands = [], []
+    for (a, z, size) in fixed:
+        intervals.append(m.new_fixed_size_interval_var(a, z - a + 1, f"fix_{a}_{z}"))
+        demands.append(size // unit)
+    for v in cands:
+        size = cg.attr(v, "bytes") // unit
+        a = cg.fw_index[v]
+        e = max(fw_reads.get(v, a), a)
+        intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
+        demands.append(size)
+        if v not in in_m:
+            continue
+        lo = bw_reads.get(v, -1)
+        last = m.new_int_var(max(lo, 0), B - 1, f"last_{v}")
+        for u in rc_readers.get(v, ()):
+            if u in in_m and u != v:
+                m.add(last >= st[u]).only_enforce_if(r[u])
+        m.add(last >= st[v]).only_enforce_if(r[v])
+        # saved: [e+1, F+last]
+        sv_start = e + 1
+        sv_size = m.new_int_var(0, horizon, f"svsz_{v}")
+        m.add(sv_size == F + last - sv_start + 1)
+        sv_end = m.new_int_var(0, horizon + 1, f"svend_{v}")
+        intervals.append(m.new_optional_interval_var(sv_start, sv_size, sv_end, s[v], f"sv_{v}"))
+        demands.append(size)
+        # recomputed: [F+st, F+last]
+        rc_start = m.new_int_var(F, F + B - 1, f"rcs_{v}")
+        m.add(rc_start == F + st[v])
+        rc_size = m.new_int_var(1, B, f"rcsz_{v}")
+        m.add(rc_size == last - st[v] + 1).only_enforce_if(r[v])
+        rc_end = m.new_int_var(F, horizon + 1, f"rce_{v}")
+        intervals.append(m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}"))
+        demands.append(size)
+
+    fixed_peak = max(base.profile) if base.profile else 0
+    cap_hi = sum(demands) + 1
+    peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
+    peak = m.new_int_var(0, max(peak_hi, 0), "peak")
+    m.add_cumulative(intervals, demands, peak)
+
+    costs = {v: cost_units(cg, v) for v in M}
+    g = reduce(math.gcd, [c for c in costs.values() if c > 0], 0) or 1
+    cost = sum((costs[v] // g) * r[v] for v in M if costs[v] > 0)
+    if max_cost is not None:
+        m.add(cost <= max_cost // g)
+    if minimize == "cost":
+        m.minimize(cost)
+    elif minimize == "peak":
+        m.minimize(peak)
+    else:
+        raise ValueError(f"minimize must be 'cost' or 'peak', not {minimize!r}")
+    rm = RematModel(model=m, saved=s, recomputed=r, peak=peak, cost=cost, unit_bytes=unit,
+                    fixed_peak_bytes=fixed_peak)
+    rm.cost_gcd = g
+    return rm
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    """Reports elapsed time, best cost and bound to a callback as solutions arrive."""
+
+    def __init__(self, report):
+        super().__init__()
+        self._report = report
+        self._t0 = time.perf_counter()
+
+    def on_solution_callback(self) -> None:
+        obj, bound = self.ObjectiveValue(), self.BestObjectiveBound()
+        gap = 0.0 if obj == 0 else abs(obj - bound) / max(abs(obj), 1e-9)
+        self._report({"elapsed_s": time.perf_counter() - self._t0, "objective": obj,
+                      "bound": bound, "gap": gap})
+
+
+def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    workers = num_workers if num_workers is not None else max(1, min(8, os.cpu_count() or 1))
+    solver.parameters.num_workers = workers
+    if deterministic:
+        solver.parameters.max_deterministic_time = float(time_limit_s)
+        solver.parameters.interleave_search = workers > 1
+    solver.parameters.max_time_in_seconds = float(time_limit_s) * (4 if deterministic else 1)
+    solver.parameters.random_seed = 0
+    return solver
+
+
+def _hint(rm: RematModel, saved: set[str]) -> None:
+    for v, var in rm.saved.items():
+        rm.model.add_hint(var, 1 if v in saved else 0)
+
+
+def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers: int | None = None,
+                      deterministic: bool = True) -> tuple[int, bool, list[str]]:
+    """The smallest step peak any plan reaches (bytes), whether it is proven, and a saved set reaching it."""
+    rm = build_model(cg, None, minimize="peak")
+    solver = _solver(time_limit_s, num_workers, deterministic)
+    status = solver.solve(rm.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
+    saved = [v for v, var in rm.saved.items() if solver.value(var)]
+    peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
+    return peak, status == cp_model.OPTIMAL, saved
+
+
+def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 60.0,
+                num_workers: int | None = None, deterministic: bool = True, minimize_peak: bool = True,
+                forced_saved=(), forbidden_saved=(), progress=None, **opts) -> Plan:
+    """Minimise recompute cost subject to the simulated step peak <= ``budget_bytes``.
+
+    Parameters
+    ----------
+    cg : CostGraph
+    budget_bytes : int | None
+        Peak bound in bytes; None returns the no-recompute plan's cost (0) with the smallest peak.
+    time_limit_s : float
+        Per solve. With ``deterministic`` it is CP-SAT deterministic time (same plan every run).
+    num_workers : int, optional
+        CP-SAT workers (default: the machine's cores, at most 8).
+    minimize_peak : bool
+        After the cost is found, minimise the peak among plans of that cost.
+    forced_saved, forbidden_saved :
+        Candidate names that must / must not be saved (user policies).
+    progress : callable, optional
+        Called with ``{"elapsed_s", "objective", "bound", "gap"}`` on each improving solution.
+
+    Returns
+    -------
+    Plan
+        ``status`` "optimal", or "feasible" with the proven relative ``gap`` of the cost.
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        If no plan fits; it names the smallest feasible budget.
+    """
+    t0 = time.perf_counter()
+    unknown = sorted(set(opts) - {"block_reuse"})
+    if unknown:
+        raise TypeError(f"solve_cpsat got unknown options {unknown}")
+    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+    all_saved = set(save_all_set(cg))
+    base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
+    if budget_bytes is None or base_peak <= budget_bytes:
+        _hint(rm, all_saved)
+    solver = _solver(time_limit_s, num_workers, deterministic)
+    cb = _Progress(progress) if progress else None
+    status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+    if status == cp_model.INFEASIBLE or status == cp_model.UNKNOWN:
+        min_peak, proven, _ = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
+                                                deterministic=deterministic)
+        if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
+            raise InfeasibleBudgetError(budget_bytes, min_peak)
+        raise RuntimeError(f"CP-SAT found no plan within {time_limit_s} s for a feasible budget "
+                           f"({budget_bytes} >= smallest peak {min_peak}); raise time_limit_s")
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"CP-SAT model invalid: {rm.model.validate()}")
+    saved = {v for v, var in rm.saved.items() if solver.value(var)}
+    best_cost = int(round(solver.objective_value))
+    bound = solver.best_objective_bound
+    optimal = status == cp_model.OPTIMAL
+    gap = 0.0 if optimal or best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
+    model_peak = solver.value(rm.peak) * rm.unit_bytes
+    if minimize_peak:
+        rm2 = build_model(cg, budget_bytes, minimize="peak", max_cost=best_cost * rm.cost_gcd,
+                          forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+        _hint(rm2, saved)
+        solver2 = _solver(time_limit_s, num_workers, deterministic)
+        status2 = solver2.solve(rm2.model)
+        if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            saved = {v for v, var in rm2.saved.items() if solver2.value(var)}
+            model_peak = solver2.value(rm2.peak) * rm2.unit_bytes
+    return make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat",
+                     status="optimal" if optimal else "feasible", gap=gap,
+                     solve_time_s=time.perf_counter() - t0, model_peak_bytes=model_peak,
+                     baseline_peak_bytes=base_peak,
+                     extras={"cost_units": best_cost * rm.cost_gcd, "cost_bound_units": bound * rm.cost_gcd})

@@ -1,0 +1,264 @@
+"""Capture a model's training step (forward + backward) as one joint aten-level fx graph.
+
+The capture is PyTorch's own: AOTAutograd traces the model's forward with FakeTensors and autograd's
+backward into one joint graph, whose placeholders are ``primals_*`` (parameters, buffers, inputs) and
+``tangents_*`` (gradients of the outputs). Every node carries ``meta["val"]`` (a FakeTensor with shape,
+dtype and storage identity) and ``meta["custom"]["remat.module"]``, the dotted path of the innermost
+module that ran it.
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch._functorch.aot_autograd import aot_function
+from torch.func import functional_call
+
+from remat_compiler.errors import UntraceableModelError
+
+__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of"]
+
+MODULE_KEY = "remat.module"
+MODULE_CLASS_KEY = "remat.module_class"
+
+
+@dataclass
+class StepFunction:
+    """A model call flattened to ``fn(*params, *buffers, *tensor_inputs) -> tuple(tensor_outputs)``.
+
+    Non-tensor arguments are baked in as constants (they are part of the signature), and the output's
+    non-tensor leaves are restored by :meth:`unflatten_outputs`.
+    """
+
+    model: torch.nn.Module
+    param_names: list[str]
+    buffer_names: list[str]
+    arg_spec: pytree.TreeSpec
+    arg_leaves: list[Any]  # tensors replaced by None
+    tensor_positions: list[int]
+    out_spec: pytree.TreeSpec | None = None
+    out_leaves: list[Any] = field(default_factory=list)  # tensors replaced by None
+    out_tensor_positions: list[int] = field(default_factory=list)
+
+    @property
+    def num_state(self) -> int:
+        return len(self.param_names) + len(self.buffer_names)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        named_p = dict(self.model.named_parameters())
+        named_b = dict(self.model.named_buffers())
+        return [named_p[n] for n in self.param_names] + [named_b[n] for n in self.buffer_names]
+
+    def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n_p, n_s = len(self.param_names), self.num_state
+        state = dict(zip(self.param_names, flat[:n_p]))
+        state.update(zip(self.buffer_names, flat[n_p:n_s]))
+        leaves = list(self.arg_leaves)
+        for pos, tensor in zip(self.tensor_positions, flat[n_s:]):
+            leaves[pos] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.arg_spec)
+        out = functional_call(self.model, state, args, kwargs)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        self.out_spec = out_spec
+        self.out_tensor_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return tuple(out_leaves[i] for i in self.out_tensor_positions)
+
+    def unflatten_outputs(self, tensors) -> Any:
+        leaves = list(self.out_leaves)
+        for pos, tensor in zip(self.out_tensor_positions, tensors):
+            leaves[pos] = tensor
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
+                 ) -> tuple[StepFunction, list[torch.Tensor]]:
+    """Flatten ``model(*args, **kwargs)`` into a :class:`StepFunction` and its tensor inputs."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    step = StepFunction(
+        model=model,
+        param_names=[n for n, _ in model.named_parameters()],
+        buffer_names=[n for n, _ in model.named_buffers()],
+        arg_spec=spec,
+        arg_leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
+        tensor_positions=positions,
+    )
+    return step, [leaves[i] for i in positions]
+
+
+def signature_of(args: tuple, kwargs: dict | None = None) -> tuple:
+    """A hashable key of a call: each tensor's shape, dtype, device and requires_grad; other leaves as is."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    key = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append(("T", tuple(x.shape), str(x.dtype), str(x.device), bool(x.requires_grad)))
+        else:
+            try:
+                hash(x)
+                key.append(("C", x))
+            except TypeError:
+                key.append(("C", repr(x)))
+    return (str(spec), tuple(key))
+
+
+class _ModuleAnnotator:
+    """Forward hooks that record, on every traced node, the innermost module that produced it."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._handles = []
+        self._stack: list[Any] = []
+        for name, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter(name, type(module).__name__)))
+            self._handles.append(module.register_forward_hook(self._exit))
+
+    def _enter(self, name: str, cls: str) -> Callable:
+        def hook(module, args):
+            meta = fx_traceback.current_meta
+            self._stack.append(meta.get("custom"))
+            custom = dict(meta.get("custom") or {})
+            custom[MODULE_KEY] = name
+            custom[MODULE_CLASS_KEY] = cls
+            meta["custom"] = custom
+        return hook
+
+    def _exit(self, module, args, output):
+        meta = fx_traceback.current_meta
+        old = self._stack.pop()
+        if old is None:
+            meta.pop("custom", None)
+        else:
+            meta["custom"] = old
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class TracedStep:
+    """The joint graph of one training step and what is needed to interpret it."""
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    step: StepFunction
+
+
+class _JointCaptured(Exception):
+    def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int):
+        super().__init__("joint graph captured")
+        self.joint = joint
+        self.num_fwd_outputs = num_fwd_outputs
+
+
+def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
+    """Run the graph as is, with the boxed calling convention so each input is freed after last use."""
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    return boxed_nop(gm, example_inputs)
+
+
+def aot_step(step: StepFunction, partition_fn: Callable) -> Callable:
+    """Wrap ``step`` in AOTAutograd with our partitioner; the result runs forward and backward."""
+    return aot_function(step, fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition_fn)
+
+
+def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
+    """Call an AOT-wrapped step with module annotation on; map tracing failures to clear errors."""
+    annotator = _ModuleAnnotator(model)
+    try:
+        with fx_traceback.preserve_node_meta():
+            return fn(*flat)
+    except _JointCaptured:
+        raise
+    except UntraceableModelError:
+        raise
+    except Exception as exc:  # re-raised with the failing op and user line named; never swallowed
+        if _is_tracing_failure(exc):
+            raise UntraceableModelError(_describe_trace_failure(exc)) from exc
+        raise
+    finally:
+        annotator.remove()
+
+
+def _is_tracing_failure(exc: Exception) -> bool:
+    names = {type(e).__name__ for e in _exception_chain(exc)}
+    markers = ("DataDependent", "GuardOnDataDependent", "Unsupported", "UnsupportedOperator",
+               "DynamicOutputShape", "TraceError")
+    text = " ".join(str(e) for e in _exception_chain(exc))
+    return any(m in n for n in names for m in markers) or "data-dependent" in text.lower() \
+        or "data dependent" in text.lower() or "_local_scalar_dense" in text or "nonzero" in text
+
+
+def _exception_chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _describe_trace_failure(exc: Exception) -> str:
+    op = None
+    for e in _exception_chain(exc):
+        for token in str(e).replace("(", " ").replace(")", " ").replace(",", " ").split():
+            if token.startswith("aten.") or token.startswith("torch.ops."):
+                op = token.rstrip(".:")
+                break
+        if op:
+            break
+    user_frame = None
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path and "/remat_compiler/" not in path and "/functorch/" not in path:
+            user_frame = frame
+            break
+    where = (f" at {user_frame.filename}:{user_frame.lineno} ({user_frame.line!s})"
+             if user_frame else "")
+    what = f"op {op}" if op else f"{type(exc).__name__}"
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"could not trace the model's training step: {what}{where} has a data-dependent shape or "
+            f"value ({first_line}). Make that part static (fixed shapes, no .item()/.nonzero() on "
+            f"activations, no Python branching on tensor values) or run it outside the compiled module.")
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> TracedStep:
+    """Capture the joint forward+backward aten graph of ``model(*args, **kwargs)``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; its parameters and buffers become graph inputs.
+    args, kwargs :
+        Example inputs. Only shapes, dtypes and ``requires_grad`` matter; nothing runs for real.
+
+    Returns
+    -------
+    TracedStep
+        The joint GraphModule (``primals_*``, ``tangents_*`` placeholders; node ``meta["val"]``),
+        how many of its outputs belong to the forward, and the flattened step function.
+
+    Raises
+    ------
+    UntraceableModelError
+        If the model has data-dependent shapes or control flow; the message names the op and line.
+    """
+    step, flat_inputs = flatten_step(model, args, kwargs)
+
+    def capture(joint, _inputs, *, num_fwd_outputs, **_kw):
+        raise _JointCaptured(joint, num_fwd_outputs)
+
+    fn = aot_step(step, capture)
+    try:
+        run_traced(fn, model, step.state_tensors() + flat_inputs)
+    except _JointCaptured as captured:
+        return TracedStep(joint=captured.joint, num_fwd_outputs=captured.num_fwd_outputs, step=step)
+    raise UntraceableModelError(
+        "the model's forward produced no output that requires grad, so there is no backward to plan: "
+        "make sure parameters or inputs require grad and the output depends on them")
