@@ -1,0 +1,9 @@
+"""Expert-parallel MoE layer and its fused combine (GEMM2 -> A2A -> weighted Unpermute).
+
+See ``shared/DESIGN.md``, section "MoE segment".
+"""
+
+from .combine import FusedCombine, fused_combine
+from .layer import MoELayer, expert_capacity
+
+__all__ = ["MoELayer", "FusedCombine", "fused_combine", "expert_capacity"]

@@ -1,0 +1,167 @@
+"""Fused GEMM2 -> A2A(combine) -> weighted Unpermute that never saves the expert output ``y``.
+
+The plain autograd chain ``y = a @ W2`` -> all-to-all -> ``out_t = sum_k p_tk * y[slot(t, k)]``
+saves the gathered ``y`` (``[T * top_k, H]``, the largest tensor of an MoE layer) because the
+multiplication by the probabilities needs it for ``d(probs)``. This module computes ``d(probs)``
+from the dgrad GEMM that backward performs anyway, for dispatched row ``r = slot(t, k)`` and
+``G = dL/dout``::
+
+    H_r        = G_t @ W2_e^T                 (one GEMM, needed for dL/da anyway)
+    dL/dp_tk   = <G_t, y_r> = <H_r, a_r>      (a row sum, y is never needed)
+    dL/da_r    = p_tk * H_r
+    dL/dW2_e   = sum_{r in e} a_r^T (p_tk * G_t)
+
+Saved for backward: ``a`` (the SwiGLU output), ``W2``, ``probs`` and the routing slots; never ``y``.
+
+Where the probabilities meet the experts: forward keeps ``probs`` on the token side (the
+unpermute applies them there). Backward scatters the *unscaled* ``G`` into the capacity buffer
+and sends it to the experts through the all-to-all that reverses the combine, and sends the
+probabilities along in a second, small all-to-all of one scalar per row. ``dL/dp`` (one scalar per
+row) comes back through a third small all-to-all. With one rank none of these calls is issued.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dist import expert_to_token, group_world_size, token_to_expert
+
+__all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "scatter_rows"]
+
+
+def weighted_unpermute(y_tok: torch.Tensor, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Gather each token's expert rows and sum them weighted by the routing probabilities.
+
+    Parameters
+    ----------
+    y_tok : torch.Tensor
+        ``[E * C, H]`` token-side buffer (experts in global order, ``C`` rows each).
+    probs : torch.Tensor
+        ``[T, top_k]`` routing probabilities.
+    slot : torch.Tensor
+        ``[T, top_k]`` int64 row of ``y_tok`` holding ``(t, k)``; ``E * C`` marks a dropped
+        assignment, which contributes zero.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, H]`` with ``out_t = sum_k probs[t, k] * y_tok[slot[t, k]]``.
+    """
+    tokens, top_k = probs.shape
+    padded = torch.cat([y_tok, y_tok.new_zeros(1, y_tok.shape[1])])
+    gathered = padded.index_select(0, slot.reshape(-1)).view(tokens, top_k, -1)
+    return (gathered * probs.unsqueeze(-1)).sum(1)
+
+
+def scatter_rows(values: torch.Tensor, slot: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Place per-assignment rows into a zero buffer of ``num_rows`` rows (dropped ones discarded).
+
+    Parameters
+    ----------
+    values : torch.Tensor
+        ``[T, top_k, D]`` one row per assignment.
+    slot : torch.Tensor
+        ``[T, top_k]`` destination rows, ``num_rows`` for a dropped assignment.
+    num_rows : int
+        ``E * C``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[num_rows, D]``; each real row receives at most one assignment.
+    """
+    width = values.shape[-1]
+    buf = values.new_zeros(num_rows + 1, width)
+    buf = buf.index_add(0, slot.reshape(-1), values.reshape(-1, width))
+    return buf[:num_rows]
+
+
+class FusedCombine(torch.autograd.Function):
+    """GEMM2 + combine all-to-all + probability-weighted unpermute with a memory-lean backward.
+
+    See the module docstring for the math. Use through :func:`fused_combine`.
+    """
+
+    @staticmethod
+    def forward(ctx, act, w2, probs, slot, group):
+        y = torch.bmm(act, w2)  # [E_local, world * C, H]
+        y_tok = expert_to_token(y, group, differentiable=False)  # [E, C, H]
+        out = weighted_unpermute(y_tok.reshape(-1, y_tok.shape[-1]), probs, slot)
+        ctx.save_for_backward(act, w2, probs, slot)
+        ctx.group = group
+        ctx.token_buffer_shape = tuple(y_tok.shape[:2])  # (E, C)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        act, w2, probs, slot = ctx.saved_tensors
+        group = ctx.group
+        num_experts, capacity = ctx.token_buffer_shape
+        num_rows = num_experts * capacity
+        tokens, top_k = probs.shape
+
+        # Unscaled G, one copy per assignment, into the capacity buffer; then to the experts.
+        g_rows = grad_out.unsqueeze(1).expand(tokens, top_k, grad_out.shape[-1])
+        g_tok = scatter_rows(g_rows, slot, num_rows).view(num_experts, capacity, -1)
+        g_exp = token_to_expert(g_tok, group, differentiable=False)  # [E_local, W*C, H]
+        p_tok = scatter_rows(probs.unsqueeze(-1), slot, num_rows).view(num_experts, capacity, 1)
+        p_exp = token_to_expert(p_tok, group, differentiable=False)  # [E_local, W*C, 1]
+
+        h = torch.bmm(g_exp, w2.transpose(1, 2))  # dgrad GEMM, [E_local, W*C, F]
+        grad_act = h * p_exp if ctx.needs_input_grad[0] else None
+        grad_w2 = torch.bmm(act.transpose(1, 2), g_exp * p_exp) if ctx.needs_input_grad[1] else None
+        grad_probs = None
+        if ctx.needs_input_grad[2]:
+            dp_exp = (h * act).sum(-1, keepdim=True)  # <G W2^T, a> = <G, y>
+            dp_tok = expert_to_token(dp_exp, group, differentiable=False).reshape(num_rows)
+            dp_tok = torch.cat([dp_tok, dp_tok.new_zeros(1)])  # dropped assignments get 0
+            grad_probs = dp_tok.index_select(0, slot.reshape(-1)).view(tokens, top_k)
+        return grad_act, grad_w2, grad_probs, None, None
+
+
+def fused_combine(act, w2, probs, slot, group=None):
+    """Run GEMM2, the combine all-to-all and the weighted unpermute as one autograd node.
+
+    Parameters
+    ----------
+    act : torch.Tensor
+        ``[E_local, world * C, F]`` SwiGLU output on the expert side.
+    w2 : torch.Tensor
+        ``[E_local, F, H]`` this rank's GEMM2 weights.
+    probs : torch.Tensor
+        ``[T, top_k]`` renormalised routing probabilities (token side).
+    slot : torch.Tensor
+        ``[T, top_k]`` int64 capacity-buffer row of each assignment, ``E * C`` when dropped.
+    group : torch.distributed.ProcessGroup or None
+        Expert-parallel group; None or one rank means no communication.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, H]``, equal to the autograd chain ``bmm -> all_to_all -> weighted_unpermute``.
+
+    Raises
+    ------
+    ValueError
+        If the shapes of ``act``, ``w2``, ``probs`` and ``slot`` do not fit together.
+
+    Example
+    -------
+    >>> out = fused_combine(act, layer.gemm2.weight, probs, slot, layer.group)  # doctest: +SKIP
+    """
+    if act.dim() != 3 or w2.dim() != 3 or act.shape[0] != w2.shape[0] or act.shape[2] != w2.shape[1]:
+        raise ValueError(
+            f"act {tuple(act.shape)} and w2 {tuple(w2.shape)} must be [E_local, rows, F] and "
+            "[E_local, F, H]; pass the SwiGLU output and the GEMM2 weight of the same experts"
+        )
+    if probs.dim() != 2 or slot.shape != probs.shape:
+        raise ValueError(
+            f"probs {tuple(probs.shape)} and slot {tuple(slot.shape)} must both be [T, top_k]; "
+            "pass the router's probabilities and the permute's slots"
+        )
+    if act.shape[1] % group_world_size(group):
+        raise ValueError(
+            f"act has {act.shape[1]} rows per expert, not divisible by the group size; "
+            "pass the expert-side buffer produced by token_to_expert"
+        )
+    return FusedCombine.apply(act, w2, probs, slot, group)

@@ -1,0 +1,342 @@
+"""Expert-parallel mixture-of-experts layer with static shapes, built to be traced.
+
+Pipeline (one submodule per step, so a graph pass can find the pieces by module path)::
+
+    router -> permute -> dispatch (A2A) -> gemm1 -> act (SwiGLU) -> gemm2 -> combine (A2A) -> unpermute
+
+With ``combine="fused"`` the last three steps run as one :class:`~remat_compiler.moe.combine.FusedCombine`
+node that never saves the GEMM2 output. Every shape depends only on the input's shape and the
+constructor arguments: routing uses one-hot cumsums and index ops, tokens over capacity are dropped
+by a fixed rule, nothing calls ``.item()`` or branches on tensor values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._dist import group_rank, group_world_size, token_to_expert, expert_to_token
+from .combine import fused_combine, weighted_unpermute
+
+__all__ = [
+    "MoELayer",
+    "Router",
+    "Permute",
+    "AllToAll",
+    "GroupedGEMM",
+    "SwiGLU",
+    "Unpermute",
+    "expert_capacity",
+]
+
+COMBINE_MODES = ("autograd", "fused")
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows per expert in the capacity buffer: ``ceil(tokens * top_k / num_experts * capacity_factor)``.
+
+    Parameters
+    ----------
+    tokens : int
+        Tokens on this rank.
+    top_k : int
+    num_experts : int
+        Experts in total (all ranks).
+    capacity_factor : float
+
+    Returns
+    -------
+    int
+        At least 1. An expert never receives more than ``tokens`` rows from one rank, so
+        ``capacity_factor >= num_experts / top_k`` guarantees that nothing is dropped.
+    """
+    return max(1, math.ceil(tokens * top_k / num_experts * capacity_factor))
+
+
+class Router(nn.Module):
+    """Linear gate, softmax, top-k, and renormalisation of the kept probabilities.
+
+    Parameters
+    ----------
+    hidden_size : int
+    num_experts : int
+    top_k : int
+
+    Returns (forward)
+    -----------------
+    probs : torch.Tensor
+        ``[T, top_k]``, each row sums to 1.
+    experts : torch.Tensor
+        ``[T, top_k]`` int64 expert ids (global), in descending probability order.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.linear = nn.Linear(hidden_size, num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor):
+        scores = F.softmax(self.linear(x), dim=-1)
+        probs, experts = torch.topk(scores, self.top_k, dim=-1)
+        return probs / probs.sum(-1, keepdim=True), experts
+
+
+class Permute(nn.Module):
+    """Scatter token copies into a static ``[E, C, H]`` capacity buffer.
+
+    Drop rule (deterministic): assignments claim rows in the order ``(k, t)`` — all first choices
+    in token order, then all second choices, ... — and an assignment that finds its expert's ``C``
+    rows taken is dropped (its slot is ``E * C`` and it contributes nothing to the output).
+
+    Parameters
+    ----------
+    num_experts : int
+        Experts in total.
+    capacity_factor : float
+
+    Returns (forward)
+    -----------------
+    buf : torch.Tensor
+        ``[E, C, H]``, zero rows where capacity is unused.
+    slot : torch.Tensor
+        ``[T, top_k]`` int64 row of ``buf.view(E * C, H)`` for each assignment, ``E * C`` if dropped.
+    """
+
+    def __init__(self, num_experts: int, capacity_factor: float):
+        super().__init__()
+        self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor):
+        tokens, top_k = experts.shape
+        num_experts = self.num_experts
+        capacity = expert_capacity(tokens, top_k, num_experts, self.capacity_factor)
+        order = experts.t().reshape(-1)  # [K*T], k-major: index k*T + t
+        onehot = (order.unsqueeze(1) == torch.arange(num_experts, device=x.device)).long()
+        position = (onehot.cumsum(0) * onehot).sum(1) - 1  # rank of the assignment in its expert
+        slot = torch.where(position < capacity, order * capacity + position, num_experts * capacity)
+        # Gather, not scatter: the inverse map row -> token makes the copy an index_select, whose
+        # backward needs only the index (a scatter-add would save a [T*K, H] source).
+        token_of = torch.arange(tokens, device=x.device).repeat(top_k)  # assignment k*T+t -> t
+        source = torch.full((num_experts * capacity + 1,), tokens, device=x.device)
+        source = source.scatter(0, slot, token_of)[: num_experts * capacity]  # unused rows -> T
+        padded = torch.cat([x, x.new_zeros(1, x.shape[-1])])  # row T is the zero row
+        buf = padded.index_select(0, source).view(num_experts, capacity, x.shape[-1])
+        return buf, slot.view(top_k, tokens).t()
+
+
+class AllToAll(nn.Module):
+    """Differentiable all-to-all between the token side ``[E, C, ...]`` and the expert side.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup or None
+        Identity when None or of size 1.
+    to_experts : bool
+        True for dispatch (``[E, C, ...] -> [E_local, world*C, ...]``), False for combine.
+    """
+
+    def __init__(self, group, to_experts: bool):
+        super().__init__()
+        self.group = group
+        self.to_experts = to_experts
+
+    def forward(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.to_experts:
+            return token_to_expert(buf, self.group)
+        return expert_to_token(buf, self.group)
+
+    def extra_repr(self) -> str:
+        return f"to_experts={self.to_experts}, world={group_world_size(self.group)}"
+
+
+class GroupedGEMM(nn.Module):
+    """One matmul per local expert: ``bmm([E_local, N, in], weight [E_local, in, out])``.
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        Initial ``[E_local, in, out]`` weights (copied into a Parameter).
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, self.weight)
+
+
+class SwiGLU(nn.Module):
+    """``silu(gate) * up`` where ``gate, up`` are the two halves of the last dim."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class Unpermute(nn.Module):
+    """``out_t = sum_k probs[t, k] * y[slot[t, k]]`` (plain autograd, saves the gathered y)."""
+
+    def forward(self, y_tok: torch.Tensor, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        return weighted_unpermute(y_tok.reshape(-1, y_tok.shape[-1]), probs, slot)
+
+
+class MoELayer(nn.Module):
+    """Top-k routed SwiGLU mixture of experts, optionally expert-parallel over a process group.
+
+    Parameters
+    ----------
+    hidden_size : int
+        ``H``, the token width.
+    ffn_hidden_size : int
+        ``F``, each expert's inner width (GEMM1 produces ``2F``: gate then up).
+    num_experts : int
+        ``E``, experts in total over all ranks of ``group``.
+    top_k : int
+        Experts per token, ``1 <= top_k <= num_experts``.
+    group : torch.distributed.ProcessGroup or None
+        Expert-parallel group. Rank ``r`` of ``world`` holds experts ``r*E/world .. (r+1)*E/world - 1``.
+        Every rank must pass the same number of tokens (the all-to-alls use equal splits). The
+        router is replicated: its gradient on each rank covers that rank's tokens only, so reduce
+        it over the data-parallel ranks as for any replicated parameter. None: all experts local.
+    capacity_factor : float
+        Capacity ``C = ceil(T * top_k / E * capacity_factor)`` rows per expert and source rank;
+        overflowing assignments are dropped (see :class:`Permute`). ``>= E / top_k`` drops nothing.
+    combine : {"autograd", "fused"}
+        ``"autograd"``: GEMM2, combine all-to-all and unpermute as plain differentiable ops (saves
+        the GEMM2 output for d(probs)). ``"fused"``: one :class:`FusedCombine` node that does not.
+
+    Attributes
+    ----------
+    router, permute, dispatch, gemm1, act, gemm2, combine, unpermute : nn.Module
+        The pipeline steps, in order (module paths a graph pass can match). ``gemm1.weight`` is
+        ``[E_local, H, 2F]``, ``gemm2.weight`` is ``[E_local, F, H]``, ``router.linear.weight`` is
+        ``[E, H]``. ``combine_mode`` holds the ``combine`` argument. In fused mode ``gemm2``,
+        ``combine`` and ``unpermute`` are bypassed by one ``FusedCombine`` node (``gemm2.weight``
+        is still the parameter it uses).
+
+    Raises
+    ------
+    ValueError
+        On non-positive sizes, ``top_k`` outside ``[1, num_experts]``, ``num_experts`` not
+        divisible by the group size, or an unknown ``combine``.
+
+    Weights are drawn from torch's global RNG in a fixed order (router, full W1 ``[E, H, 2F]``,
+    full W2 ``[E, F, H]``) on every rank, and each rank keeps its expert shard, so ranks seeded
+    alike hold slices of the same single-process layer.
+
+    Example
+    -------
+    >>> torch.manual_seed(0)  # doctest: +SKIP
+    >>> layer = MoELayer(16, 32, num_experts=4, top_k=2, combine="fused")  # doctest: +SKIP
+    >>> layer(torch.randn(2, 5, 16)).shape  # doctest: +SKIP
+    torch.Size([2, 5, 16])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        group=None,
+        capacity_factor: float = 2.0,
+        combine: str = "autograd",
+    ):
+        super().__init__()
+        world = group_world_size(group)
+        _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacity_factor, combine)
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.group = group
+        self.capacity_factor = capacity_factor
+        self.combine_mode = combine
+        self.num_local_experts = num_experts // world
+
+        self.router = Router(hidden_size, num_experts, top_k)
+        w1 = _uniform((num_experts, hidden_size, 2 * ffn_hidden_size), hidden_size)
+        w2 = _uniform((num_experts, ffn_hidden_size, hidden_size), ffn_hidden_size)
+        first = group_rank(group) * self.num_local_experts
+        shard = slice(first, first + self.num_local_experts)
+        self.permute = Permute(num_experts, capacity_factor)
+        self.dispatch = AllToAll(group, to_experts=True)
+        self.gemm1 = GroupedGEMM(w1[shard].clone())
+        self.act = SwiGLU()
+        self.gemm2 = GroupedGEMM(w2[shard].clone())
+        self.combine = AllToAll(group, to_experts=False)
+        self.unpermute = Unpermute()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, run the experts, and combine.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``[T, H]`` or ``[B, S, H]``.
+
+        Returns
+        -------
+        torch.Tensor
+            Same shape as ``x``.
+
+        Raises
+        ------
+        ValueError
+            If ``x`` is not 2-D or 3-D or its last dim is not ``hidden_size``.
+        """
+        if x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"MoELayer expects [T, {self.hidden_size}] or [B, S, {self.hidden_size}], got "
+                f"{tuple(x.shape)}; reshape the input so the last dim is hidden_size"
+            )
+        tokens = x.reshape(-1, self.hidden_size)
+        probs, experts = self.router(tokens)
+        buf, slot = self.permute(tokens, experts)
+        act = self.act(self.gemm1(self.dispatch(buf)))
+        if self.combine_mode == "fused":
+            out = fused_combine(act, self.gemm2.weight, probs, slot, self.group)
+        else:
+            out = self.unpermute(self.combine(self.gemm2(act)), probs, slot)
+        return out.view_as(x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"num_experts={self.num_experts}, num_local_experts={self.num_local_experts}, "
+            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, combine={self.combine_mode!r}"
+        )
+
+
+def _uniform(shape, fan_in: int) -> torch.Tensor:
+    bound = 1.0 / math.sqrt(fan_in)
+    return torch.empty(shape).uniform_(-bound, bound)
+
+
+def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacity_factor, combine):
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("ffn_hidden_size", ffn_hidden_size),
+        ("num_experts", num_experts),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}; "
+            "lower top_k or add experts"
+        )
+    if num_experts % world:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the expert-parallel group size {world}; "
+            "choose num_experts as a multiple of the group size or use a smaller group"
+        )
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    if combine not in COMBINE_MODES:
+        raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
