@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from remat_compiler.plan import Plan
 from remat_compiler.solvers import get_solver, solve
 from remat_compiler.trace import StepFunction, aot_step, flatten_step, run_traced, signature_of, trace
 
-__all__ = ["compile", "CompiledModule", "plan_model", "plan_graph", "PlannedGraph", "analyze"]
+__all__ = ["compile", "CompiledModule", "plan_model", "plan_graph", "PlannedGraph", "analyze", "prepared"]
 
 
 @dataclass
@@ -41,10 +42,21 @@ class PlannedGraph:
     sim: Any = None
 
 
+def prepared(model: torch.nn.Module, solver) -> contextlib.AbstractContextManager:
+    """The solver's model preparation for tracing, if it has one (``solver.prepare_model(model)``).
+
+    A strategy that needs a different traced graph (the MoE custom backward traces the fused combine)
+    provides ``prepare_model``, a context manager active while the step is traced.
+    """
+    prepare = getattr(get_solver(solver), "prepare_model", None)
+    return prepare(model) if prepare is not None else contextlib.nullcontext()
+
+
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-            cost_model: CostModel | None = None) -> tuple[fx.GraphModule, CostGraph]:
+            cost_model: CostModel | None = None, solver="cpsat") -> tuple[fx.GraphModule, CostGraph]:
     """Trace and annotate a model's step: the first three pipeline steps."""
-    traced = trace(model, args, kwargs)
+    with prepared(model, solver):
+        traced = trace(model, args, kwargs)
     gm = run_passes(traced.joint, num_fwd_outputs=traced.num_fwd_outputs, cost_model=cost_model)
     return gm, CostGraph.from_graph_module(gm)
 
@@ -82,7 +94,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     """
     parse_budget(memory_budget)
     get_solver(solver)
-    gm, cg = analyze(model, args, kwargs, cost_model=cost_model)
+    gm, cg = analyze(model, args, kwargs, cost_model=cost_model, solver=solver)
     return plan_graph(gm, cg, memory_budget, solver=solver, **solver_options)
 
 
@@ -156,7 +168,8 @@ class CompiledModule(torch.nn.Module):
         if entry is None:
             entry = _Entry(step=step, fn=None)
             entry.fn = aot_step(step, self._partition(entry))
-            out = run_traced(entry.fn, self._orig_mod, step.state_tensors() + flat)
+            with prepared(self._orig_mod, self._solver):
+                out = run_traced(entry.fn, self._orig_mod, step.state_tensors() + flat)
             self._entries[key] = entry
         else:
             out = entry.fn(*entry.step.state_tensors(), *flat)

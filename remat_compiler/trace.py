@@ -8,6 +8,7 @@ module that ran it.
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -173,7 +174,7 @@ def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
     """Call an AOT-wrapped step with module annotation on; map tracing failures to clear errors."""
     annotator = _ModuleAnnotator(model)
     try:
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), _compiling():
             return fn(*flat)
     except _JointCaptured:
         raise
@@ -185,6 +186,18 @@ def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
         raise
     finally:
         annotator.remove()
+
+
+@contextlib.contextmanager
+def _compiling():
+    """Tell models they are being compiled, as torch.compile does, so they take their traceable paths
+    (HuggingFace models skip data-dependent fast-path checks when ``torch.compiler.is_compiling()``)."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def _is_tracing_failure(exc: Exception) -> bool:

@@ -13,14 +13,16 @@ from remat_compiler.plan import Plan
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
 from remat_compiler.solvers.basic import solve_checkpoint_blocks, solve_save_all
 from remat_compiler.solvers.cpsat import solve_cpsat
+from remat_compiler.solvers.greedy import solve_greedy
 
 __all__ = ["SOLVERS", "solve", "get_solver", "register_solver", "resolve_budget", "solve_save_all",
-           "solve_checkpoint_blocks", "solve_cpsat"]
+           "solve_checkpoint_blocks", "solve_cpsat", "solve_greedy"]
 
 SOLVERS: dict[str, Callable[..., Plan]] = {
     "cpsat": solve_cpsat,
     "save_all": solve_save_all,
     "checkpoint_blocks": solve_checkpoint_blocks,
+    "greedy": solve_greedy,
 }
 
 

@@ -34,6 +34,7 @@ from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
+from remat_compiler.solvers.greedy import greedy_saved_set
 
 __all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
            "build_model"]
@@ -201,6 +202,7 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
     peak = m.new_int_var(0, max(peak_hi, 0), "peak")
     m.add_cumulative(intervals, demands, peak)
+    _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s)
 
     costs = {v: cost_units(cg, v) for v in M}
     g = reduce(math.gcd, [c for c in costs.values() if c > 0], 0) or 1
@@ -217,6 +219,48 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
                     fixed_peak_bytes=fixed_peak)
     rm.cost_gcd = g
     return rm
+
+
+def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s) -> None:
+    """Redundant linear constraints, one per step: memory that is live whatever else the plan does.
+
+    The cumulative alone gives CP-SAT no useful LP bound. At forward step t a candidate is certainly
+    live while the forward still reads it, and afterwards exactly when saved; at backward step t it is
+    certainly live between its first and last direct backward read (saved or recomputed, backward
+    needs it there), and before that whenever it is saved. Both are lower bounds of the cumulative's
+    load, so adding them removes no plan.
+    """
+    T = F + B
+    fixed_prof = [0] * (T + 1)
+    for a, z, size in fixed:
+        fixed_prof[a] += size // unit
+        fixed_prof[z + 1] -= size // unit
+    for t in range(1, T + 1):
+        fixed_prof[t] += fixed_prof[t - 1]
+    const = list(fixed_prof[:T])
+    terms: list[list[tuple[int, str]]] = [[] for _ in range(T)]
+    for v in cg.candidates:
+        size = cg.attr(v, "bytes") // unit
+        a = cg.fw_index[v]
+        e = max(fw_reads.get(v, a), a)
+        for t in range(a, e + 1):
+            const[t] += size
+        if v not in s:
+            continue
+        lo = bw_reads.get(v, -1)
+        for t in range(e + 1, F):
+            terms[t].append((size, v))
+        first = direct_first.get(v)
+        for j in range(0, lo + 1):
+            if first is not None and j >= first:
+                const[F + j] += size
+            else:
+                terms[F + j].append((size, v))
+    for t in range(T):
+        if terms[t]:
+            m.add(sum(c * s[v] for c, v in terms[t]) + const[t] <= peak)
+        else:
+            m.add(peak >= const[t])
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):
@@ -266,7 +310,8 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
 
 def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 60.0,
                 num_workers: int | None = None, deterministic: bool = True, minimize_peak: bool = True,
-                forced_saved=(), forbidden_saved=(), progress=None, **opts) -> Plan:
+                forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
+                **opts) -> Plan:
     """Minimise recompute cost subject to the simulated step peak <= ``budget_bytes``.
 
     Parameters
@@ -280,6 +325,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         CP-SAT workers (default: the machine's cores, at most 8).
     minimize_peak : bool
         After the cost is found, minimise the peak among plans of that cost.
+    warm_start : bool
+        Hint CP-SAT with the no-recompute plan if it fits, else with the greedy plan.
     forced_saved, forbidden_saved :
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional
@@ -304,6 +351,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
     if budget_bytes is None or base_peak <= budget_bytes:
         _hint(rm, all_saved)
+    elif warm_start:
+        warm, warm_peak = greedy_saved_set(cg, budget_bytes)
+        if warm_peak <= budget_bytes:
+            _hint(rm, warm)
     solver = _solver(time_limit_s, num_workers, deterministic)
     cb = _Progress(progress) if progress else None
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)

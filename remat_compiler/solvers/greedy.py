@@ -1,0 +1,68 @@
+"""A fast heuristic: drop saved values from the peak, cheapest recompute per byte first.
+
+Used as CP-SAT's warm start and usable on its own (``solver="greedy"``); every step is judged by the
+liveness simulator, so what it returns fits when it says it does.
+"""
+from __future__ import annotations
+
+import time
+
+from remat_compiler.costgraph import CostGraph
+from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.plan import Plan, make_plan
+from remat_compiler.schedule import build_schedule, save_all_set, simulate
+
+__all__ = ["greedy_saved_set", "solve_greedy"]
+
+
+def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tuple[set[str], int]:
+    """A saved set whose simulated peak is as close to ``budget_bytes`` as greedy gets.
+
+    Each round looks at the saved values live at the current peak step, tries dropping the ``width``
+    cheapest per byte, and keeps the drop with the smallest marginal recompute cost (the whole
+    recompute chain it causes, from the simulator) per byte removed at that step.
+
+    Returns the saved set and its simulated peak (above the budget if greedy got stuck).
+    """
+    saved = set(save_all_set(cg))
+    sim = simulate(cg, build_schedule(cg, saved))
+    while sim.peak_bytes > budget_bytes:
+        t = sim.peak_step
+        live = [v for v in saved if not cg.attr(v, "never_recompute")
+                and sim.intervals[(v, "fw")][0] <= t <= sim.intervals[(v, "fw")][1]]
+        live.sort(key=lambda v: (cg.attr(v, "runtime_s") / cg.attr(v, "bytes"), cg.attr(v, "order")))
+        best = None
+        for v in live[:width]:
+            trial = saved - {v}
+            trial_sim = simulate(cg, build_schedule(cg, trial))
+            freed = sim.profile[t] - trial_sim.profile[t]
+            if freed <= 0 or trial_sim.peak_bytes > sim.peak_bytes:
+                continue
+            score = (trial_sim.recompute_s - sim.recompute_s) / freed
+            if best is None or score < best[0]:
+                best = (score, trial, trial_sim)
+        if best is None:
+            break
+        saved, sim = best[1], best[2]
+    return set(build_schedule(cg, saved).saved), sim.peak_bytes
+
+
+def solve_greedy(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
+    """Greedy plan under ``budget_bytes`` (no optimality claim: status "feasible", gap unknown = 1.0).
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        If greedy cannot fit the budget; the named budget is the lowest peak greedy reached, an
+        upper bound of the true smallest feasible budget (CP-SAT computes the true one).
+    """
+    t0 = time.perf_counter()
+    if budget_bytes is None:
+        saved, peak = set(save_all_set(cg)), None
+    else:
+        saved, peak = greedy_saved_set(cg, budget_bytes)
+        if peak > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, peak)
+    return make_plan(cg, saved, budget_bytes=budget_bytes, solver="greedy",
+                     status="optimal" if budget_bytes is None else "feasible",
+                     gap=0.0 if budget_bytes is None else 1.0, solve_time_s=time.perf_counter() - t0)
