@@ -72,7 +72,7 @@ def parse_budget(value: object) -> Budget:
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
             raise ValueError(f"memory_budget={value} is a float outside (0, 1]; floats are fractions "
-                             f"of the no-recompute peak. Expected {_ACCEPTED}")
+                             f"of the no-recompute peak; expected {_ACCEPTED}")
         return Budget(fraction=value)
     if isinstance(value, str):
         text = value.strip().replace("_", "")

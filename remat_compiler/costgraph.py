@@ -120,8 +120,43 @@ class CostGraph:
 
     @cached_property
     def bw_order(self) -> list[str]:
-        """Backward nodes in the order the backward runs them (recomputation is inserted between)."""
-        return self._phase("bw")
+        """Backward nodes in the order the backward runs them (recomputation is inserted between).
+
+        Nodes that depend on a tangent keep the joint graph's order (autograd's). Nodes that do not
+        (a ``detach`` of an activation, a transposed weight: AOTAutograd places them in the forward
+        region of the joint graph) run just before their first backward reader, so that what they
+        read is not needed from the start of backward.
+        """
+        bw = self._phase("bw")
+        in_bw = set(bw)
+        dep: set[str] = set(self.tangents)
+        for n in bw:
+            if any(p in dep for p in self.g.predecessors(n)):
+                dep.add(n)
+        outputs = {o for o in self.bw_outputs if o is not None}
+        order: list[str] = []
+        done: set[str] = set()
+
+        def emit(n: str) -> None:
+            stack = [(n, False)]
+            while stack:
+                cur, expanded = stack.pop()
+                if cur in done:
+                    continue
+                if expanded:
+                    done.add(cur)
+                    order.append(cur)
+                    continue
+                stack.append((cur, True))
+                stack.extend((p, False) for p in reversed(self.preds(cur)) if p in in_bw and p not in done)
+
+        for n in bw:
+            readers = [u for u in self.g.successors(n) if u in in_bw]
+            if n in dep or n in outputs or not readers:
+                emit(n)
+        for n in bw:
+            emit(n)
+        return order
 
     @cached_property
     def inputs(self) -> list[str]:

@@ -61,7 +61,7 @@ class Plan:
         Who made it; "optimal" or "feasible"; proven relative gap of the cost (0 when optimal);
         wall time of the solve.
     model_peak_bytes : int
-        The solver's own bound on the peak (>= peak_bytes; equal for exact models).
+        The solver's own bound on the peak: CP-SAT's step-level peak (>= peak_bytes).
     min_feasible_bytes : int | None
         The smallest peak any plan reaches on this graph, when the solver computed it.
     fingerprint : str
@@ -274,7 +274,7 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
         status=status,
         gap=gap,
         solve_time_s=solve_time_s,
-        model_peak_bytes=sim.peak_bytes if model_peak_bytes is None else model_peak_bytes,
+        model_peak_bytes=sim.step_peak_bytes if model_peak_bytes is None else model_peak_bytes,
         fingerprint=cg.fingerprint,
         schedule=schedule,
         values=values,

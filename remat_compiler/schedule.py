@@ -10,10 +10,11 @@ implements and this module simulates:
   step that needs it*, together with whatever it needs in turn (a multi-output op's used outputs are
   taken right after it); each value is freed after its last use.
 
-Memory is counted per step: forward step ``i`` runs the i-th forward node; backward step ``F + j`` runs
-the recomputations the j-th backward node needs and then that node. A value is live from the step that
-allocates it through the step of its last use, both included; the peak is the largest sum of live bytes
-over all steps. Parameters and inputs are resident before the step and not counted; tangents appear at
+Memory is counted per node: each node allocates its output while its inputs are live, and a value is
+freed right after its last reader (as fx's generated code does). Steps group nodes for the solver:
+forward step ``i`` runs the i-th forward node; backward step ``F + j`` runs the recomputations the j-th
+backward node needs and then that node; the step-level view counts a value as live from the step that
+allocates it through the step of its last use. Parameters and inputs are resident before the step and not counted; tangents appear at
 the first backward step; parameter gradients and the caller's outputs stay live to the end.
 """
 from __future__ import annotations
@@ -66,11 +67,15 @@ class Schedule:
 class SimResult:
     """The simulated memory of a schedule.
 
-    ``profile[t]`` is the live bytes at step t (forward steps first); ``intervals`` maps each allocated
-    value instance ``(owner, "fw" | "rc" | "bw")`` to ``(first_step, last_step, bytes)``.
+    ``peak_bytes`` is the exact peak of the emitted code, node by node; ``step_peak_bytes`` the peak
+    when a backward step's recomputations all count as live through the step (>= ``peak_bytes``).
+    ``profile[t]`` is the step-level live bytes at step t (forward steps first), ``peak_step`` where
+    it peaks; ``intervals`` maps each allocated value instance ``(owner, "fw" | "rc" | "bw")`` to
+    ``(first_step, last_step, bytes)``.
     """
 
     peak_bytes: int
+    step_peak_bytes: int
     peak_step: int
     profile: list[int]
     intervals: dict[tuple[str, str], tuple[int, int, int]]
@@ -173,7 +178,13 @@ def save_all_set(cg: CostGraph) -> list[str]:
 
 
 def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
-    """Simulate the live storage bytes of a schedule, step by step.
+    """Simulate the live storage bytes of a schedule, node by node and step by step.
+
+    Two peaks come out. ``peak_bytes`` is exact for the emitted code: every node, recomputed or not,
+    allocates its output while its inputs are live, and each value is freed right after its last
+    reader. ``step_peak_bytes`` counts everything a backward step recomputes as live through that whole
+    step; it is never below ``peak_bytes`` and is what the CP-SAT model bounds (see
+    :mod:`remat_compiler.solvers.cpsat`).
 
     Returns
     -------
@@ -189,29 +200,33 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     recomputed = set(schedule.recomputed)
     saved = set(schedule.saved)
     live: dict[str, tuple[str, str]] = {}          # storage owner -> current instance key
-    intervals: dict[tuple[str, str], list[int]] = {}
+    intervals: dict[tuple[str, str], list[int]] = {}  # key -> [first step, last step, first ev, last ev]
     sizes: dict[tuple[str, str], int] = {}
+    clock = {"ev": 0}
 
-    def alloc(owner: str, kind: str, step: int) -> None:
+    def alloc(owner: str, kind: str, step: int, ev: int) -> None:
         key = (owner, kind)
-        intervals[key] = [step, step]
+        intervals[key] = [step, step, ev, ev]
         sizes[key] = cg.attr(owner, "bytes")
         live[owner] = key
 
-    def use(n: str, step: int, reader: str) -> None:
+    def use(n: str, step: int, ev: int, reader: str) -> None:
         owner = cg.storage(n)
         if owner is None or cg.attr(owner, "phase") == "input":
             return
         key = live.get(owner)
         if key is None:
             raise PlanCheckError(f"{reader} at step {step} reads {n} (storage {owner}) before it exists")
-        intervals[key][1] = max(intervals[key][1], step)
+        iv = intervals[key]
+        iv[1], iv[3] = max(iv[1], step), max(iv[3], ev)
 
     def run(n: str, step: int, kind: str) -> None:
+        ev = clock["ev"]
         for p in cg.preds(n):
-            use(p, step, n)
+            use(p, step, ev, n)
         if cg.storage(n) == n and cg.attr(n, "bytes") > 0:
-            alloc(n, kind, step)
+            alloc(n, kind, step, ev)
+        clock["ev"] = ev + 1
 
     for i, n in enumerate(schedule.fw):
         run(n, i, "fw")
@@ -221,7 +236,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             del live[owner]
     for t in cg.tangents:
         if cg.attr(t, "bytes") > 0:
-            alloc(t, "bw", F)
+            alloc(t, "bw", F, clock["ev"])
     for j, (rec, b) in enumerate(schedule.bw):
         step = F + j
         for r in rec:
@@ -229,26 +244,22 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
                 raise PlanCheckError(f"schedule recomputes {r}: {cg.attr(r, 'reason')}")
             run(r, step, "rc")
         run(b, step, "bw")
+    last_ev = clock["ev"] - 1
     # held to the end: the caller's outputs and the gradients backward returns
     for n in [*cg.fw_outputs, *cg.bw_outputs]:
         if n is None or cg.storage(n) is None:
             continue
         key = live.get(cg.storage(n))
         if key is not None:
-            intervals[key][1] = end
+            intervals[key][1], intervals[key][3] = end, last_ev
 
-    diff = [0] * (end + 2)
-    for key, (a, z) in intervals.items():
-        diff[a] += sizes[key]
-        diff[z + 1] -= sizes[key]
-    profile, cur = [], 0
-    for t in range(end + 1):
-        cur += diff[t]
-        profile.append(cur)
-    peak = max(profile) if profile else 0
+    profile = _sweep(((iv[0], iv[1], sizes[k]) for k, iv in intervals.items()), end + 1)
+    events = _sweep(((iv[2], iv[3], sizes[k]) for k, iv in intervals.items()), last_ev + 1)
+    step_peak = max(profile) if profile else 0
     return SimResult(
-        peak_bytes=peak,
-        peak_step=profile.index(peak) if profile else 0,
+        peak_bytes=max(events) if events else 0,
+        step_peak_bytes=step_peak,
+        peak_step=profile.index(step_peak) if profile else 0,
         profile=profile,
         intervals={k: (v[0], v[1], sizes[k]) for k, v in intervals.items()},
         num_fw_steps=F,
@@ -256,3 +267,16 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         recompute_flops=sum(cg.attr(r, "flops") for r in recomputed),
         recompute_comm_bytes=sum(cg.attr(r, "comm_bytes") for r in recomputed),
     )
+
+
+def _sweep(spans, length: int) -> list[int]:
+    """Live bytes at each position, from inclusive (first, last, bytes) spans."""
+    diff = [0] * (length + 1)
+    for a, z, size in spans:
+        diff[a] += size
+        diff[z + 1] -= size
+    out, cur = [], 0
+    for t in range(length):
+        cur += diff[t]
+        out.append(cur)
+    return out

@@ -4,6 +4,6 @@ See ``shared/DESIGN.md``, section "MoE segment".
 """
 
 from .combine import FusedCombine, fused_combine
-from .layer import MoELayer, expert_capacity
+from .layer import MoELayer, MoEStack, expert_capacity
 
-__all__ = ["MoELayer", "FusedCombine", "fused_combine", "expert_capacity"]
+__all__ = ["MoELayer", "MoEStack", "FusedCombine", "fused_combine", "expert_capacity"]

@@ -14,8 +14,8 @@ from the dgrad GEMM that backward performs anyway, for dispatched row ``r = slot
 Saved for backward: ``a`` (the SwiGLU output), ``W2``, ``probs`` and the routing slots; never ``y``.
 
 Where the probabilities meet the experts: forward keeps ``probs`` on the token side (the
-unpermute applies them there). Backward scatters the *unscaled* ``G`` into the capacity buffer
-and sends it to the experts through the all-to-all that reverses the combine, and sends the
+unpermute applies them there). Backward gathers the *unscaled* ``G`` into the capacity buffer
+(through the inverse of the slot map, :func:`assignment_of_rows`) and sends it to the experts through the all-to-all that reverses the combine, and sends the
 probabilities along in a second, small all-to-all of one scalar per row. ``dL/dp`` (one scalar per
 row) comes back through a third small all-to-all. With one rank none of these calls is issued.
 """
@@ -26,7 +26,7 @@ import torch
 
 from ._dist import expert_to_token, group_world_size, token_to_expert
 
-__all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "scatter_rows"]
+__all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "assignment_of_rows", "rowdot"]
 
 
 def weighted_unpermute(y_tok: torch.Tensor, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -53,33 +53,47 @@ def weighted_unpermute(y_tok: torch.Tensor, probs: torch.Tensor, slot: torch.Ten
     return (gathered * probs.unsqueeze(-1)).sum(1)
 
 
-def scatter_rows(values: torch.Tensor, slot: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Place per-assignment rows into a zero buffer of ``num_rows`` rows (dropped ones discarded).
+def assignment_of_rows(slot: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """For each capacity row, the assignment it holds: ``t * top_k + k``, or ``T * top_k`` if unused.
 
     Parameters
     ----------
-    values : torch.Tensor
-        ``[T, top_k, D]`` one row per assignment.
     slot : torch.Tensor
-        ``[T, top_k]`` destination rows, ``num_rows`` for a dropped assignment.
+        ``[T, top_k]`` int64 rows, ``num_rows`` for a dropped assignment.
     num_rows : int
         ``E * C``.
 
     Returns
     -------
     torch.Tensor
-        ``[num_rows, D]``; each real row receives at most one assignment.
+        ``[num_rows]`` int64. Each real row receives at most one assignment, so this inverse map
+        turns "scatter assignments into rows" into a gather (no ``[T * top_k, D]`` copy).
     """
-    width = values.shape[-1]
-    buf = values.new_zeros(num_rows + 1, width)
-    buf = buf.index_add(0, slot.reshape(-1), values.reshape(-1, width))
-    return buf[:num_rows]
+    tokens, top_k = slot.shape
+    assignments = torch.arange(tokens * top_k, device=slot.device)
+    inverse = torch.full((num_rows + 1,), tokens * top_k, dtype=torch.long, device=slot.device)
+    return inverse.scatter(0, slot.reshape(-1), assignments)[:num_rows]
+
+
+def _pad_row(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D) with one zero row appended, the target of "no assignment" indices."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1, keepdim=True)`` for ``[..., D]`` tensors, as a batched GEMM (no ``a * b`` temp)."""
+    width = a.shape[-1]
+    out = torch.bmm(a.reshape(-1, 1, width), b.reshape(-1, width, 1))
+    return out.view(*a.shape[:-1], 1)
 
 
 class FusedCombine(torch.autograd.Function):
     """GEMM2 + combine all-to-all + probability-weighted unpermute with a memory-lean backward.
 
-    See the module docstring for the math. Use through :func:`fused_combine`.
+    See the module docstring for the math. Use through :func:`fused_combine`. The backward's
+    transients are at most one GEMM1-output-sized pair (``H`` and ``dL/da``); it gathers ``G`` into
+    the capacity buffer (no per-assignment copy of ``G``) and takes ``d(probs)`` as a batched row dot
+    product (no ``H * a`` temp).
     """
 
     @staticmethod
@@ -100,22 +114,23 @@ class FusedCombine(torch.autograd.Function):
         num_rows = num_experts * capacity
         tokens, top_k = probs.shape
 
-        # Unscaled G, one copy per assignment, into the capacity buffer; then to the experts.
-        g_rows = grad_out.unsqueeze(1).expand(tokens, top_k, grad_out.shape[-1])
-        g_tok = scatter_rows(g_rows, slot, num_rows).view(num_experts, capacity, -1)
+        # Unscaled G and the probability of each capacity row (zero rows where unused); to the experts.
+        assignment = assignment_of_rows(slot, num_rows)
+        token = torch.div(assignment, top_k, rounding_mode="floor")  # unused rows -> T, the zero row
+        g_tok = _pad_row(grad_out).index_select(0, token).view(num_experts, capacity, -1)
+        p_tok = _pad_row(probs.reshape(-1, 1)).index_select(0, assignment).view(num_experts, capacity, 1)
         g_exp = token_to_expert(g_tok, group, differentiable=False)  # [E_local, W*C, H]
-        p_tok = scatter_rows(probs.unsqueeze(-1), slot, num_rows).view(num_experts, capacity, 1)
         p_exp = token_to_expert(p_tok, group, differentiable=False)  # [E_local, W*C, 1]
 
-        h = torch.bmm(g_exp, w2.transpose(1, 2))  # dgrad GEMM, [E_local, W*C, F]
-        grad_act = h * p_exp if ctx.needs_input_grad[0] else None
         grad_w2 = torch.bmm(act.transpose(1, 2), g_exp * p_exp) if ctx.needs_input_grad[1] else None
+        h = torch.bmm(g_exp, w2.transpose(1, 2))  # dgrad GEMM, [E_local, W*C, F]
         grad_probs = None
         if ctx.needs_input_grad[2]:
-            dp_exp = (h * act).sum(-1, keepdim=True)  # <G W2^T, a> = <G, y>
+            dp_exp = rowdot(h, act)  # <G W2^T, a> = <G, y>
             dp_tok = expert_to_token(dp_exp, group, differentiable=False).reshape(num_rows)
             dp_tok = torch.cat([dp_tok, dp_tok.new_zeros(1)])  # dropped assignments get 0
             grad_probs = dp_tok.index_select(0, slot.reshape(-1)).view(tokens, top_k)
+        grad_act = h * p_exp if ctx.needs_input_grad[0] else None
         return grad_act, grad_w2, grad_probs, None, None
 
 

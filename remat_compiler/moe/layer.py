@@ -29,6 +29,8 @@ __all__ = [
     "GroupedGEMM",
     "SwiGLU",
     "Unpermute",
+    "FusedCombineStep",
+    "MoEStack",
     "expert_capacity",
 ]
 
@@ -185,6 +187,22 @@ class Unpermute(nn.Module):
         return weighted_unpermute(y_tok.reshape(-1, y_tok.shape[-1]), probs, slot)
 
 
+class FusedCombineStep(nn.Module):
+    """GEMM2 -> combine A2A -> weighted Unpermute as one :class:`FusedCombine` node (no parameters).
+
+    Its own submodule so that the traced nodes of the fused combine carry a module path of their own
+    (``passes.moe`` tags them). It uses ``gemm2.weight``, passed in by the layer.
+    """
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, act: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor,
+                slot: torch.Tensor) -> torch.Tensor:
+        return fused_combine(act, w2, probs, slot, self.group)
+
+
 class MoELayer(nn.Module):
     """Top-k routed SwiGLU mixture of experts, optionally expert-parallel over a process group.
 
@@ -213,7 +231,8 @@ class MoELayer(nn.Module):
     Attributes
     ----------
     router, permute, dispatch, gemm1, act, gemm2, combine, unpermute : nn.Module
-        The pipeline steps, in order (module paths a graph pass can match). ``gemm1.weight`` is
+        The pipeline steps, in order (module paths a graph pass can match); ``fused_combine``
+        (no parameters) runs GEMM2 -> A2A -> Unpermute in fused mode. ``gemm1.weight`` is
         ``[E_local, H, 2F]``, ``gemm2.weight`` is ``[E_local, F, H]``, ``router.linear.weight`` is
         ``[E, H]``. ``combine_mode`` holds the ``combine`` argument. In fused mode ``gemm2``,
         ``combine`` and ``unpermute`` are bypassed by one ``FusedCombine`` node (``gemm2.weight``
@@ -271,6 +290,7 @@ class MoELayer(nn.Module):
         self.gemm2 = GroupedGEMM(w2[shard].clone())
         self.combine = AllToAll(group, to_experts=False)
         self.unpermute = Unpermute()
+        self.fused_combine = FusedCombineStep(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route, run the experts, and combine.
@@ -300,7 +320,7 @@ class MoELayer(nn.Module):
         buf, slot = self.permute(tokens, experts)
         act = self.act(self.gemm1(self.dispatch(buf)))
         if self.combine_mode == "fused":
-            out = fused_combine(act, self.gemm2.weight, probs, slot, self.group)
+            out = self.fused_combine(act, self.gemm2.weight, probs, slot)
         else:
             out = self.unpermute(self.combine(self.gemm2(act)), probs, slot)
         return out.view_as(x)
@@ -311,6 +331,41 @@ class MoELayer(nn.Module):
             f"num_experts={self.num_experts}, num_local_experts={self.num_local_experts}, "
             f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, combine={self.combine_mode!r}"
         )
+
+
+class MoEStack(nn.Module):
+    """``num_layers`` MoE layers with residual connections: ``x = x + layer(x)`` for each.
+
+    The workload for comparing recompute strategies: with one layer, the step's peak is in its
+    backward and no strategy can lower it; with several, what each layer keeps for backward adds up.
+
+    Parameters
+    ----------
+    num_layers : int
+    *args, **kwargs :
+        Passed to every :class:`MoELayer` (built in order from torch's global RNG).
+
+    Attributes
+    ----------
+    layers : nn.ModuleList of MoELayer
+
+    Example
+    -------
+    >>> stack = MoEStack(2, 16, 32, num_experts=4, top_k=2)  # doctest: +SKIP
+    >>> stack(torch.randn(8, 16)).shape                      # doctest: +SKIP
+    torch.Size([8, 16])
+    """
+
+    def __init__(self, num_layers: int, *args, **kwargs):
+        super().__init__()
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        self.layers = nn.ModuleList(MoELayer(*args, **kwargs) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
 
 
 def _uniform(shape, fan_in: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
-from remat_compiler.solvers.greedy import greedy_saved_set
+from remat_compiler.solvers.basic import block_boundary_set
+from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 
 __all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
            "build_model"]
@@ -62,6 +63,12 @@ class RematModel:
     cost: cp_model.LinearExpr
     unit_bytes: int
     fixed_peak_bytes: int
+    cost_gcd: int = 1
+    need: dict = None
+    start: dict = None
+    aux: dict = None
+    num_fw_steps: int = 0
+    num_bw_steps: int = 0
 
 
 def _storage_readers(cg: CostGraph):
@@ -87,7 +94,8 @@ def _storage_readers(cg: CostGraph):
 
 
 def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cost",
-                max_cost: int | None = None, forced_saved=(), forbidden_saved=()) -> RematModel:
+                max_cost: int | None = None, forced_saved=(), forbidden_saved=(),
+                exact: bool = True) -> RematModel:
     """Build the CP-SAT model of a CostGraph.
 
     Parameters
@@ -101,6 +109,11 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         Upper bound on the recompute cost (for the second, peak-minimising solve).
     forced_saved, forbidden_saved : iterables of candidate names
         Hard constraints from user policies (``save_only``, ``never_save``...).
+    exact : bool
+        True: recompute start and last-use times are variables (the exact model). False: each value's
+        saved and recomputed intervals are fixed to the widest they can be (a conservative model with
+        fixed-size optional intervals: much easier for CP-SAT, every plan it finds fits, but it may
+        miss plans that fit only tightly). The solver uses it as a warm start for the exact model.
     """
     m = cp_model.CpModel()
     F, fw_reads, bw_reads, rc_readers = _storage_readers(cg)
@@ -164,9 +177,12 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
 
     # memory
     intervals, demands = [], []
+    aux: dict[str, dict] = {}
     for (a, z, size) in fixed:
         intervals.append(m.new_fixed_size_interval_var(a, z - a + 1, f"fix_{a}_{z}"))
         demands.append(size // unit)
+    if not exact:
+        earliest, latest = _conservative_times(cg, M, direct_first, bw_reads, rc_readers, B)
     for v in cands:
         size = cg.attr(v, "bytes") // unit
         a = cg.fw_index[v]
@@ -175,18 +191,26 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         demands.append(size)
         if v not in in_m:
             continue
+        if not exact:
+            lo, hi = earliest[v], latest[v]
+            intervals.append(m.new_optional_fixed_size_interval_var(e + 1, F + hi - e, s[v], f"sv_{v}"))
+            intervals.append(m.new_optional_fixed_size_interval_var(F + lo, hi - lo + 1, r[v], f"rc_{v}"))
+            demands += [size, size]
+            continue
         lo = bw_reads.get(v, -1)
         last = m.new_int_var(max(lo, 0), B - 1, f"last_{v}")
         for u in rc_readers.get(v, ()):
             if u in in_m and u != v:
                 m.add(last >= st[u]).only_enforce_if(r[u])
         m.add(last >= st[v]).only_enforce_if(r[v])
+        aux[v] = {"last": last}
         # saved: [e+1, F+last]
         sv_start = e + 1
         sv_size = m.new_int_var(0, horizon, f"svsz_{v}")
         m.add(sv_size == F + last - sv_start + 1)
         sv_end = m.new_int_var(0, horizon + 1, f"svend_{v}")
         intervals.append(m.new_optional_interval_var(sv_start, sv_size, sv_end, s[v], f"sv_{v}"))
+        aux[v].update(sv_size=sv_size, sv_end=sv_end, sv_start=sv_start)
         demands.append(size)
         # recomputed: [F+st, F+last]
         rc_start = m.new_int_var(F, F + B - 1, f"rcs_{v}")
@@ -195,6 +219,7 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         m.add(rc_size == last - st[v] + 1).only_enforce_if(r[v])
         rc_end = m.new_int_var(F, horizon + 1, f"rce_{v}")
         intervals.append(m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}"))
+        aux[v].update(rc_start=rc_start, rc_size=rc_size, rc_end=rc_end)
         demands.append(size)
 
     fixed_peak = max(base.profile) if base.profile else 0
@@ -215,10 +240,36 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         m.minimize(peak)
     else:
         raise ValueError(f"minimize must be 'cost' or 'peak', not {minimize!r}")
-    rm = RematModel(model=m, saved=s, recomputed=r, peak=peak, cost=cost, unit_bytes=unit,
-                    fixed_peak_bytes=fixed_peak)
-    rm.cost_gcd = g
-    return rm
+    return RematModel(model=m, saved=s, recomputed=r, peak=peak, cost=cost, unit_bytes=unit,
+                      fixed_peak_bytes=fixed_peak, cost_gcd=g, need=need, start=st, aux=aux,
+                      num_fw_steps=F, num_bw_steps=B)
+
+
+def _conservative_times(cg: CostGraph, M: list[str], direct_first: dict[str, int],
+                        bw_reads: dict[str, int], rc_readers: dict[str, set[str]], B: int):
+    """Earliest possible recompute step and latest possible last read of each model node."""
+    in_m = set(M)
+    earliest: dict[str, int] = {}
+    latest_need: dict[str, int] = {}
+    for v in reversed(M):
+        readers = [u for u in cg.g.successors(v) if u in in_m]
+        e = min([earliest[u] for u in readers], default=B - 1)
+        ln = max([latest_need[u] for u in readers], default=0)
+        if v in direct_first:
+            e = min(e, direct_first[v])
+            ln = direct_first[v]
+        earliest[v], latest_need[v] = e, ln
+    for v in M:  # a multi-output op's outputs are taken at the op's own step
+        if cg.attr(v, "op") == "getitem" and cg.preds(v)[0] in in_m:
+            earliest[v] = min(earliest[v], earliest[cg.preds(v)[0]])
+    latest: dict[str, int] = {}
+    for v in M:
+        hi = max(bw_reads.get(v, 0), latest_need[v])
+        for u in rc_readers.get(v, ()):
+            if u in in_m:
+                hi = max(hi, latest_need[u])
+        latest[v] = max(hi, earliest[v])
+    return earliest, latest
 
 
 def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s) -> None:
@@ -280,7 +331,7 @@ class _Progress(cp_model.CpSolverSolutionCallback):
 
 def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
-    workers = num_workers if num_workers is not None else max(1, min(8, os.cpu_count() or 1))
+    workers = num_workers if num_workers is not None else 8
     solver.parameters.num_workers = workers
     if deterministic:
         solver.parameters.max_deterministic_time = float(time_limit_s)
@@ -290,26 +341,77 @@ def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -
     return solver
 
 
-def _hint(rm: RematModel, saved: set[str]) -> None:
+def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
+    """Hint every variable with the exact values of the plan that saves ``saved``.
+
+    A hint of the decisions alone is often not completed by CP-SAT on large graphs; the schedule and
+    its simulation give every start, last use and interval size, so the hint is a full solution.
+    """
+    schedule = build_schedule(cg, saved)
+    sim = simulate(cg, schedule)
+    F = rm.num_fw_steps
+    saved = set(schedule.saved)
+    step_of = {}
+    for j, (rec, _b) in enumerate(schedule.bw):
+        for n in rec:
+            step_of[n] = j
+    m = rm.model
     for v, var in rm.saved.items():
-        rm.model.add_hint(var, 1 if v in saved else 0)
+        m.add_hint(var, 1 if v in saved else 0)
+    for v, var in rm.recomputed.items():
+        if not isinstance(var, int) and var.index >= 0 and not _is_const(var):
+            m.add_hint(var, 1 if v in step_of else 0)
+    for v, var in rm.need.items():
+        if not _is_const(var):
+            m.add_hint(var, 1 if (v in step_of or v in saved) else 0)
+    for v, var in rm.start.items():
+        m.add_hint(var, step_of.get(v, var.proto.domain[-1]))
+    for v, a in rm.aux.items():
+        if v in saved:
+            last = sim.intervals[(v, "fw")][1] - F
+        elif v in step_of:
+            last = sim.intervals[(v, "rc")][1] - F
+        else:
+            last = a["last"].proto.domain[0]
+        st = step_of.get(v, rm.start[v].proto.domain[-1])
+        m.add_hint(a["last"], last)
+        m.add_hint(a["sv_size"], F + last - a["sv_start"] + 1)
+        m.add_hint(a["sv_end"], F + last + 1)
+        m.add_hint(a["rc_start"], F + st)
+        size = last - st + 1 if v in step_of else 1
+        m.add_hint(a["rc_size"], size)
+        m.add_hint(a["rc_end"], F + st + size)
+    m.add_hint(rm.peak, -(-sim.step_peak_bytes // rm.unit_bytes))
+
+
+def _is_const(var) -> bool:
+    dom = var.proto.domain
+    return len(dom) == 2 and dom[0] == dom[1]
 
 
 def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers: int | None = None,
-                      deterministic: bool = True) -> tuple[int, bool, list[str]]:
-    """The smallest step peak any plan reaches (bytes), whether it is proven, and a saved set reaching it."""
+                      deterministic: bool = False) -> tuple[int, bool, list[str]]:
+    """The smallest budget CP-SAT can plan for: the least step-level peak of any plan (bytes), whether
+    that is proven optimal, and a saved set reaching it. (Its exact node-level peak may be lower.)"""
     rm = build_model(cg, None, minimize="peak")
+    hints = [greedy_saved_set(cg, 0)]
+    try:
+        S = block_boundary_set(cg)
+        hints.append((S, simulate(cg, build_schedule(cg, S)).step_peak_bytes))
+    except ValueError:  # no repeated blocks
+        pass
+    _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
     solver = _solver(time_limit_s, num_workers, deterministic)
     status = solver.solve(rm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
     saved = [v for v, var in rm.saved.items() if solver.value(var)]
-    peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
+    peak = simulate(cg, build_schedule(cg, saved)).step_peak_bytes
     return peak, status == cp_model.OPTIMAL, saved
 
 
-def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 60.0,
-                num_workers: int | None = None, deterministic: bool = True, minimize_peak: bool = True,
+def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0,
+                num_workers: int | None = None, deterministic: bool = False, minimize_peak: bool = True,
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
                 **opts) -> Plan:
     """Minimise recompute cost subject to the simulated step peak <= ``budget_bytes``.
@@ -322,7 +424,11 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     time_limit_s : float
         Per solve. With ``deterministic`` it is CP-SAT deterministic time (same plan every run).
     num_workers : int, optional
-        CP-SAT workers (default: the machine's cores, at most 8).
+        CP-SAT workers (default 8: CP-SAT's portfolio of strategies needs several, even on few cores).
+    deterministic : bool
+        Use CP-SAT deterministic time for the limit and interleaved search, so the same graph and
+        budget give the same plan on every run and machine (slower). Under torch.distributed the plan
+        is made on rank 0 and broadcast, so ranks agree either way.
     minimize_peak : bool
         After the cost is found, minimise the peak among plans of that cost.
     warm_start : bool
@@ -350,11 +456,11 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     all_saved = set(save_all_set(cg))
     base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
     if budget_bytes is None or base_peak <= budget_bytes:
-        _hint(rm, all_saved)
+        _hint(rm, cg, all_saved)
     elif warm_start:
-        warm, warm_peak = greedy_saved_set(cg, budget_bytes)
-        if warm_peak <= budget_bytes:
-            _hint(rm, warm)
+        warm, _ = best_heuristic_set(cg, budget_bytes)
+        if warm is not None:
+            _hint(rm, cg, warm)
     solver = _solver(time_limit_s, num_workers, deterministic)
     cb = _Progress(progress) if progress else None
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
@@ -376,8 +482,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if minimize_peak:
         rm2 = build_model(cg, budget_bytes, minimize="peak", max_cost=best_cost * rm.cost_gcd,
                           forced_saved=forced_saved, forbidden_saved=forbidden_saved)
-        _hint(rm2, saved)
-        solver2 = _solver(time_limit_s, num_workers, deterministic)
+        _hint(rm2, cg, saved)
+        solver2 = _solver(max(1.0, time_limit_s / 4), num_workers, deterministic)
         status2 = solver2.solve(rm2.model)
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             saved = {v for v, var in rm2.saved.items() if solver2.value(var)}

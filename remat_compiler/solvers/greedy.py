@@ -12,7 +12,7 @@ from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
 
-__all__ = ["greedy_saved_set", "solve_greedy"]
+__all__ = ["greedy_saved_set", "fill_saved_set", "best_heuristic_set", "solve_greedy"]
 
 
 def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tuple[set[str], int]:
@@ -26,7 +26,7 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tu
     """
     saved = set(save_all_set(cg))
     sim = simulate(cg, build_schedule(cg, saved))
-    while sim.peak_bytes > budget_bytes:
+    while sim.step_peak_bytes > budget_bytes:
         t = sim.peak_step
         live = [v for v in saved if not cg.attr(v, "never_recompute")
                 and sim.intervals[(v, "fw")][0] <= t <= sim.intervals[(v, "fw")][1]]
@@ -36,7 +36,7 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tu
             trial = saved - {v}
             trial_sim = simulate(cg, build_schedule(cg, trial))
             freed = sim.profile[t] - trial_sim.profile[t]
-            if freed <= 0 or trial_sim.peak_bytes > sim.peak_bytes:
+            if freed <= 0 or trial_sim.step_peak_bytes > sim.step_peak_bytes:
                 continue
             score = (trial_sim.recompute_s - sim.recompute_s) / freed
             if best is None or score < best[0]:
@@ -44,7 +44,51 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tu
         if best is None:
             break
         saved, sim = best[1], best[2]
-    return set(build_schedule(cg, saved).saved), sim.peak_bytes
+    return set(build_schedule(cg, saved).saved), sim.step_peak_bytes
+
+
+def fill_saved_set(cg: CostGraph, budget_bytes: int, start) -> tuple[set[str], int]:
+    """Grow a fitting saved set: save more values, densest recompute saving per byte first.
+
+    Starting from ``start`` (e.g. the per-block checkpoint plan), each candidate that is recomputed is
+    tried once; it is kept saved if the simulated peak stays within the budget and the recompute cost
+    drops. Returns the saved set and its simulated peak.
+    """
+    saved = set(start)
+    sim = simulate(cg, build_schedule(cg, saved))
+    if sim.step_peak_bytes > budget_bytes:
+        return saved, sim.step_peak_bytes
+    order = sorted((v for v in cg.candidates if v not in saved),
+                   key=lambda v: (-cg.attr(v, "runtime_s") / cg.attr(v, "bytes"), cg.attr(v, "order")))
+    for v in order:
+        trial = saved | {v}
+        schedule = build_schedule(cg, trial)
+        if v not in schedule.saved:
+            continue
+        trial_sim = simulate(cg, schedule)
+        if trial_sim.step_peak_bytes <= budget_bytes and trial_sim.recompute_s < sim.recompute_s:
+            saved, sim = set(schedule.saved), trial_sim
+    return saved, sim.step_peak_bytes
+
+
+def best_heuristic_set(cg: CostGraph, budget_bytes: int) -> tuple[set[str] | None, int]:
+    """The cheapest fitting saved set among the heuristics (drop from save-all, fill from checkpoints).
+
+    Returns ``(None, lowest peak seen)`` when none fits.
+    """
+    from remat_compiler.solvers.basic import block_boundary_set
+
+    found = [greedy_saved_set(cg, budget_bytes)]
+    try:
+        found.append(fill_saved_set(cg, budget_bytes, block_boundary_set(cg)))
+    except ValueError:  # no repeated blocks
+        pass
+    fitting = [(simulate(cg, build_schedule(cg, S)).recompute_s, peak, S) for S, peak in found
+               if peak <= budget_bytes]
+    if not fitting:
+        return None, min(peak for _, peak in found)
+    _, peak, S = min(fitting, key=lambda x: (x[0], x[1]))
+    return S, peak
 
 
 def solve_greedy(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
@@ -60,8 +104,8 @@ def solve_greedy(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
     if budget_bytes is None:
         saved, peak = set(save_all_set(cg)), None
     else:
-        saved, peak = greedy_saved_set(cg, budget_bytes)
-        if peak > budget_bytes:
+        saved, peak = best_heuristic_set(cg, budget_bytes)
+        if saved is None:
             raise InfeasibleBudgetError(budget_bytes, peak)
     return make_plan(cg, saved, budget_bytes=budget_bytes, solver="greedy",
                      status="optimal" if budget_bytes is None else "feasible",

@@ -1,0 +1,471 @@
+"""``remat-compiler``: plan, inspect, draw and compare recomputation plans from the command line.
+
+::
+
+    remat-compiler demo                                   # built-in example: plan, table, timeline picture
+    remat-compiler plan examples/gpt2.py:build --budget 1GiB --format table|json|dot [-o FILE]
+    remat-compiler plan examples/gpt2.py:build --budget 0.4 --timeline timeline.png
+    remat-compiler plan examples/gpt2.py:build --load plan.json      # re-apply a saved plan
+    remat-compiler pareto examples/gpt2.py:build --budgets 1.0,0.8,0.6,0.4,0.3 --png pareto.png
+    remat-compiler compare examples/moe.py:build --strategies save_all,cpsat --budget 0.95
+
+``MODULE:FACTORY`` names a .py file or an importable module and a function returning
+``(model, example_inputs, loss_fn)`` (see :mod:`remat_compiler.workload`); ``--arg KEY=VALUE``
+passes keyword arguments to it.
+
+Exit codes: 0 ok; 2 bad arguments (usage errors, a budget that does not parse, an unknown solver, a
+bad ``MODULE:FACTORY`` or ``--arg``, and a ``--load`` file that is not a valid plan or was made for
+another graph: the file is an argument, and nothing is run with it); 3 infeasible budget (the message
+names the smallest feasible budget); 1 anything else. Every failure prints one line
+``remat-compiler: error: ...`` on stderr; ``--verbose`` adds the traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+
+__all__ = ["main", "cli", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INFEASIBLE"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
+PROG = "remat-compiler"
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+DEMO_FACTORY = EXAMPLES_DIR / "demo.py"
+
+
+# ---------------------------------------------------------------------------- console
+@dataclass
+class Console:
+    """Where messages go: notes and progress on stderr, silenced by ``--quiet``; details by ``--verbose``."""
+
+    quiet: bool = False
+    verbose: bool = False
+
+    def note(self, message: str) -> None:
+        """A short note on stderr (what was written where), unless quiet."""
+        if not self.quiet:
+            click.echo(message, err=True)
+
+    def detail(self, message: str) -> None:
+        """A diagnostic line on stderr, only with --verbose."""
+        if self.verbose:
+            click.echo(f"[{PROG}] {message}", err=True)
+
+    def shows_progress(self) -> bool:
+        return not self.quiet and sys.stderr.isatty()
+
+    @contextlib.contextmanager
+    def progress(self, label: str) -> Iterator[Callable[[dict], None] | None]:
+        """Yield a solver progress callback that redraws one stderr line, or None when not shown."""
+        if not self.shows_progress():
+            yield None
+            return
+        try:
+            yield lambda info: click.echo("\r\033[K" + format_progress(label, info), err=True, nl=False)
+        finally:
+            click.echo("\r\033[K", err=True, nl=False)
+
+
+def format_progress(label: str, info: dict) -> str:
+    """One progress line from a CP-SAT report ``{elapsed_s, objective, bound, gap}``.
+
+    Example
+    -------
+    >>> format_progress("cpsat", {"elapsed_s": 1.5, "objective": 1200, "bound": 1000, "gap": 0.2})
+    'cpsat: 1.5 s, best cost 1,200, bound 1,000, gap 20.0%'
+    """
+    return (f"{label}: {info['elapsed_s']:.1f} s, best cost {info['objective']:,.0f}, "
+            f"bound {info['bound']:,.0f}, gap {info['gap']:.1%}")
+
+
+@contextlib.contextmanager
+def timed(console: Console, what: str) -> Iterator[None]:
+    """Log how long a pipeline step took (with --verbose)."""
+    t0 = time.perf_counter()
+    yield
+    console.detail(f"{what}: {time.perf_counter() - t0:.2f} s")
+
+
+# ---------------------------------------------------------------------------- argument types
+class BudgetType(click.ParamType):
+    """A memory budget as :func:`remat_compiler.parse_budget` accepts it; the string is kept as given."""
+
+    name = "BUDGET"
+
+    def convert(self, value: Any, param, ctx) -> str:
+        from remat_compiler.budget import parse_budget
+
+        try:
+            parse_budget(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value).strip()
+
+
+BUDGET = BudgetType()
+
+
+def _check_solver(ctx, param, value: str | None) -> str | None:
+    from remat_compiler.solvers import get_solver
+
+    if value is not None:
+        try:
+            get_solver(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return value
+
+
+def _check_solver_list(ctx, param, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter("give at least one name", ctx=ctx, param=param)
+    for name in names:
+        _check_solver(ctx, param, name)
+    return names
+
+
+def _check_budget_list(ctx, param, value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise click.BadParameter("give at least one budget", ctx=ctx, param=param)
+    return [BUDGET.convert(v, param, ctx) for v in items]
+
+
+def _factory_args(ctx, param, value) -> dict:
+    from remat_compiler.workload import FactoryError, parse_factory_args
+
+    try:
+        return parse_factory_args(value)
+    except FactoryError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+
+
+def _load_workload(spec: str, factory_kwargs: dict, console: Console):
+    from remat_compiler.workload import FactoryError, load_workload
+
+    with timed(console, f"build {spec}"):
+        try:
+            return load_workload(spec, factory_kwargs)
+        except FactoryError as exc:
+            raise click.BadParameter(str(exc), param_hint="MODULE:FACTORY") from exc
+
+
+factory_argument = click.argument("factory", metavar="MODULE:FACTORY")
+factory_args_option = click.option(
+    "--arg", "factory_kwargs", multiple=True, metavar="KEY=VALUE", callback=_factory_args,
+    help="Keyword argument for the factory (repeatable); VALUE is a Python literal or a string.")
+time_limit_option = click.option(
+    "--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True), default=None,
+    metavar="S", help="Solver time limit per solve, in seconds (solvers that take one).")
+
+
+# ---------------------------------------------------------------------------- pipeline helpers
+def _solve(console: Console, workload, budget: str | None, solver: str, time_limit_s: float | None):
+    """Trace, solve and check: returns the PlannedGraph."""
+    from remat_compiler.api import analyze, plan_graph
+    from remat_compiler.sweep import options_for
+
+    with timed(console, "trace and annotate"):
+        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver)
+    console.detail(f"graph {cg.fingerprint}: {cg.summary()}")
+    with console.progress(solver) as progress, timed(console, f"solve with {solver} and check"):
+        opts = options_for(solver, time_limit_s=time_limit_s, progress=progress)
+        return plan_graph(gm, cg, budget, solver=solver, **opts)
+
+
+def _apply_saved_plan(console: Console, workload, path: str):
+    """Trace the model and re-apply a saved plan to it; a bad file is a bad argument."""
+    from remat_compiler.api import PlannedGraph, analyze
+    from remat_compiler.check import check_plan
+    from remat_compiler.errors import PlanCheckError, PlanMismatchError
+    from remat_compiler.plan import Plan
+
+    try:
+        plan = Plan.load(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # from_json raises ValueError for what it detects; the others are malformed documents
+        raise click.BadParameter(f"{path} is not a valid plan file: {type(exc).__name__}: {exc}",
+                                 param_hint="--load") from exc
+    with timed(console, "trace and annotate"):
+        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=plan.solver)
+    try:
+        plan.check_applies_to(cg)
+        sim = check_plan(cg, plan)
+    except (PlanMismatchError, PlanCheckError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint="--load") from exc
+    console.detail(f"re-applied plan {plan.digest()} to graph {cg.fingerprint}")
+    return PlannedGraph(gm=gm, cg=cg, plan=plan, sim=sim)
+
+
+def _render(planned, fmt: str, all_rows: bool) -> str:
+    from remat_compiler.viz import plan_to_dot
+
+    plan = planned.plan
+    if fmt == "json":
+        return plan.to_json() + "\n"
+    if fmt == "dot":
+        return plan_to_dot(planned.cg, plan)
+    table = plan.explain(max_rows=len(plan.values) if all_rows else 40)
+    return f"{table}\n\nplan {plan.digest()} for graph {plan.fingerprint}\n"
+
+
+def _emit_text(console: Console, text: str, output: str | None) -> None:
+    from remat_compiler.plan import atomic_write_text
+
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    atomic_write_text(output, text)
+    console.note(f"wrote {output}")
+
+
+def _write_timeline(planned, path: str) -> str:
+    from remat_compiler.solvers import solve
+    from remat_compiler.viz import plot_timeline
+
+    plan, cg = planned.plan, planned.cg
+    budget = human_bytes_or_unlimited(plan.budget_bytes)
+    plans = {f"{plan.solver} (budget {budget})": plan}
+    if plan.solver != "save_all":
+        plans["save_all (no recompute)"] = solve(cg, None, "save_all")
+    return plot_timeline(cg, plans, plan.budget_bytes, path)
+
+
+def human_bytes_or_unlimited(nbytes: int | None) -> str:
+    from remat_compiler.budget import human_bytes
+
+    return human_bytes(nbytes) if nbytes else "unlimited"
+
+
+# ---------------------------------------------------------------------------- commands
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-q", "--quiet", is_flag=True, help="No progress display and no notes on stderr.")
+@click.option("-v", "--verbose", is_flag=True, help="Step timings, graph summary, tracebacks on errors.")
+@click.pass_context
+def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
+    """Plan activation recomputation for PyTorch training under a memory budget."""
+    if quiet and verbose:
+        raise click.UsageError("--quiet and --verbose exclude each other")
+    ctx.obj = Console(quiet=quiet, verbose=verbose)
+
+
+@cli.command()
+@factory_argument
+@factory_args_option
+@click.option("--budget", type=BUDGET, default=None,
+              help="Bytes, a unit string (1.5GiB, 512MB) or a fraction of the no-recompute peak (0.5). "
+                   "Default: no limit.")
+@click.option("--solver", default="cpsat", show_default=True, callback=_check_solver,
+              help="cpsat, greedy, save_all, checkpoint_blocks, or a registered MoE strategy.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "dot"]), default="table",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the plan here (atomically) instead of stdout.")
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="PNG",
+              help="Also draw the memory timeline of the plan and of save-all.")
+@click.option("--load", "load_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              metavar="PLAN.json", help="Re-apply a saved plan instead of solving.")
+@click.option("--all", "all_rows", is_flag=True, help="Table: print every row.")
+@time_limit_option
+@click.pass_context
+def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | None, solver: str,
+         fmt: str, output: str | None, timeline: str | None, load_path: str | None, all_rows: bool,
+         time_limit_s: float | None) -> None:
+    """Trace MODULE:FACTORY's training step, plan it under --budget and print the plan."""
+    console: Console = ctx.obj
+    if load_path is not None:
+        options = {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit"}
+        given = [flag for name, flag in options.items()
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--load applies a saved plan; {', '.join(given)} cannot be "
+                                   "used with it")
+    workload = _load_workload(factory, factory_kwargs, console)
+    if load_path is not None:
+        planned = _apply_saved_plan(console, workload, load_path)
+    else:
+        planned = _solve(console, workload, budget, solver, time_limit_s)
+    _emit_text(console, _render(planned, fmt, all_rows), output)
+    if timeline is not None:
+        console.note(f"wrote timeline picture {_write_timeline(planned, timeline)}")
+
+
+@cli.command()
+@factory_argument
+@factory_args_option
+@click.option("--budgets", required=True, callback=_check_budget_list, metavar="B1,B2,...",
+              help="Comma-separated budgets to sweep, e.g. 1.0,0.8,0.6,0.4.")
+@click.option("--solver", default="cpsat", show_default=True, callback=_check_solver)
+@click.option("--strategies", default=None, callback=_check_solver_list, metavar="A,B,...",
+              help="Hand-picked strategies to mark. Default: save_all, checkpoint_blocks and every "
+                   "registered MoE strategy; those that do not apply are listed as n/a.")
+@click.option("--png", type=click.Path(dir_okay=False), default=None, help="Draw the points here.")
+@time_limit_option
+@click.pass_context
+def pareto(ctx: click.Context, factory: str, factory_kwargs: dict, budgets: list[str], solver: str,
+           strategies: list[str] | None, png: str | None, time_limit_s: float | None) -> None:
+    """Sweep budgets: recompute overhead against predicted peak, next to the hand-picked strategies.
+
+    Infeasible budgets and strategies that do not apply are rows with the reason; the exit code
+    is 0 as long as the table is printed.
+    """
+    from remat_compiler.api import analyze
+    from remat_compiler.sweep import format_pareto_table, strategy_points, sweep_budgets
+    from remat_compiler.viz import plot_pareto
+
+    console: Console = ctx.obj
+    workload = _load_workload(factory, factory_kwargs, console)
+    with timed(console, "trace and annotate"):
+        _, cg = analyze(workload.model, workload.args, workload.kwargs)
+
+    def progress_for(label: str):
+        return (lambda info: click.echo("\r\033[K" + format_progress(label, info), err=True, nl=False)
+                ) if console.shows_progress() else None
+
+    with timed(console, "budget sweep"):
+        rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s, progress=progress_for)
+    if console.shows_progress():
+        click.echo("\r\033[K", err=True, nl=False)
+    with timed(console, "hand-picked strategies"):
+        rows += strategy_points(workload.model, workload.args, workload.kwargs, cg, strategies)
+    click.echo(format_pareto_table(rows))
+    if png is not None:
+        console.note(f"wrote Pareto picture {plot_pareto(rows, png)}")
+
+
+@cli.command()
+@factory_argument
+@factory_args_option
+@click.option("--strategies", required=True, callback=_check_solver_list, metavar="A,B,...",
+              help="Solvers / strategies to run, e.g. save_all,checkpoint_blocks,cpsat.")
+@click.option("--budget", type=BUDGET, default=None, help="Budget every strategy is planned under.")
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed steps per strategy (the median is reported).")
+@time_limit_option
+@click.pass_context
+def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: list[str],
+            budget: str | None, steps: int, time_limit_s: float | None) -> None:
+    """Train with each strategy for real: measured peak, FLOPs, step time, gradient error vs eager.
+
+    Strategies that are infeasible at the budget or do not apply are rows with the reason. The
+    exit code is 0 if at least one strategy ran; otherwise 3 if one was infeasible, else 2.
+    """
+    from remat_compiler.budget import human_bytes
+    from remat_compiler.compare import (common_budget_bytes, eager_reference, format_compare_table,
+                                        run_strategy)
+
+    console: Console = ctx.obj
+    workload = _load_workload(factory, factory_kwargs, console)
+    budget_bytes = common_budget_bytes(workload, budget)
+    if budget_bytes is not None:
+        console.note(f"budget {budget} = {human_bytes(budget_bytes)} ({budget_bytes} bytes) for every strategy")
+    with timed(console, "eager reference"):
+        runs = [eager_reference(workload, steps=steps)]
+    for name in strategies:
+        with console.progress(name) as progress, timed(console, f"{name}: plan, compile and measure"):
+            runs.append(run_strategy(workload, name, budget_bytes, steps=steps, reference=runs[0],
+                                     time_limit_s=time_limit_s, progress=progress))
+    click.echo(format_compare_table(runs))
+    if not any(r.status == "ok" for r in runs[1:]):
+        infeasible = [r for r in runs[1:] if r.status == "infeasible"]
+        message = "; ".join(f"{r.strategy}: {r.status}: {r.note}" for r in infeasible or runs[1:])
+        raise NoStrategyRan(EXIT_INFEASIBLE if infeasible else EXIT_USAGE,
+                            f"no strategy ran at budget {budget or 'unlimited'}: {message}")
+
+
+@cli.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="remat_demo_timeline.png",
+              show_default=True, help="Where to write the timeline picture.")
+@click.option("--budget", type=BUDGET, default="0.5", show_default=True)
+@time_limit_option
+@click.pass_context
+def demo(ctx: click.Context, output: str, budget: str, time_limit_s: float | None) -> None:
+    """Plan the built-in example (an MLP chain whose activations dominate), print the plan, draw it."""
+    console: Console = ctx.obj
+    if not DEMO_FACTORY.is_file():
+        raise click.ClickException(f"the demo model lives in {DEMO_FACTORY}, which this installation "
+                                   "does not have; run from a source checkout")
+    workload = _load_workload(f"{DEMO_FACTORY}:build", {}, console)
+    planned = _solve(console, workload, budget, "cpsat", time_limit_s)
+    click.echo(_render(planned, "table", all_rows=False), nl=False)
+    click.echo(f"\ntimeline picture written to {_write_timeline(planned, output)}")
+
+
+# ---------------------------------------------------------------------------- entry point
+class NoStrategyRan(click.ClickException):
+    """compare: every named strategy was infeasible or did not apply."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _classify(exc: BaseException) -> tuple[int, str]:
+    """Map an exception to the documented exit code and its one-line message."""
+    from remat_compiler.errors import InfeasibleBudgetError, RematError
+
+    if isinstance(exc, click.UsageError):
+        return EXIT_USAGE, exc.format_message()
+    if isinstance(exc, click.ClickException):
+        return exc.exit_code, exc.format_message()
+    if isinstance(exc, InfeasibleBudgetError):
+        return EXIT_INFEASIBLE, str(exc)
+    if isinstance(exc, click.Abort):
+        return EXIT_ERROR, "aborted"
+    if isinstance(exc, RematError):
+        return EXIT_ERROR, str(exc)
+    return EXIT_ERROR, f"{type(exc).__name__}: {exc}"
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split()) or "failed"
+
+
+def main(argv: list[str] | None = None, *, prog_name: str = PROG) -> int:
+    """Run the CLI and return its exit code (the console script's entry point).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Arguments without the program name; default ``sys.argv[1:]``.
+    prog_name : str
+
+    Returns
+    -------
+    int
+        0 ok, 2 bad arguments, 3 infeasible budget, 1 other errors.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    verbose = False
+    try:
+        with cli.make_context(prog_name, args) as ctx:
+            verbose = bool(ctx.params.get("verbose"))
+            cli.invoke(ctx)
+        return EXIT_OK
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare ``remat-compiler``: the help, as click does
+        click.echo(exc.format_message(), err=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        click.echo(f"{PROG}: error: interrupted", err=True)
+        return 130
+    except Exception as exc:  # translated to the documented exit codes, never dropped
+        code, message = _classify(exc)
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+        click.echo(f"{PROG}: error: {_one_line(message)}", err=True)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

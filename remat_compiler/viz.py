@@ -1,0 +1,313 @@
+"""Pictures and text of plans: memory timelines, Pareto curves, DOT graphs and plain-text tables.
+
+Plotting stays out of the solver path: everything here reads finished plans. Figures are drawn with
+matplotlib's object API on the Agg canvas (no pyplot, no global backend switch) and written
+atomically: a temporary file in the destination folder, then a rename.
+
+>>> plot_timeline(cg, {"cpsat": plan, "save_all": base}, plan.budget_bytes, "timeline.png")  # doctest: +SKIP
+>>> print(plan_to_dot(cg, plan))                                                          # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from remat_compiler.budget import human_bytes
+from remat_compiler.costgraph import CostGraph
+from remat_compiler.plan import Plan
+from remat_compiler.schedule import build_schedule, simulate
+
+if TYPE_CHECKING:
+    from remat_compiler.sweep import ParetoRow
+
+__all__ = ["plot_timeline", "plot_pareto", "plan_to_dot", "node_decisions", "format_table",
+           "note_cell", "save_figure", "DOT_COLORS"]
+
+_MIB = float(2**20)
+
+#: Fill colour of each node class in :func:`plan_to_dot`.
+DOT_COLORS = {
+    "saved": "#6baed6",        # kept from the forward for backward
+    "recomputed": "#fd8d3c",   # recomputed just before its first backward use
+    "dropped": "#ffffff",      # freed after its last forward use; backward never needs it
+    "forward": "#ffffcc",      # other forward nodes: views, held outputs, free ops
+    "input": "#c7e9c0",        # parameters, inputs and tangents
+    "backward": "#d9d9d9",
+}
+
+
+# ---------------------------------------------------------------------------- files
+def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 120) -> str:
+    """Write a figure as PNG atomically (temporary file in the same folder, then ``os.replace``).
+
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+    path : str or PathLike
+    dpi : int
+
+    Returns
+    -------
+    str
+        The absolute path written.
+
+    Raises
+    ------
+    OSError
+        If the folder is not writable; no partial file is left behind.
+    """
+    path = os.path.abspath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=dpi)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the picture ordinary permissions
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _figure(width_in: float = 9.0, height_in: float = 4.8) -> Figure:
+    fig = Figure(figsize=(width_in, height_in), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+# ---------------------------------------------------------------------------- timeline
+def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | None,
+                  path: str | os.PathLike) -> str:
+    """Draw live activation memory per step, forward then backward, for each plan.
+
+    Parameters
+    ----------
+    cg : CostGraph
+        The graph every plan was made for.
+    plans : dict[str, Plan]
+        Legend label -> plan; each profile is ``simulate(cg, build_schedule(cg, plan.saved)).profile``.
+    budget_bytes : int or None
+        Drawn as a horizontal line when given.
+    path : str or PathLike
+        PNG to write.
+
+    Returns
+    -------
+    str
+        The absolute path written.
+
+    Raises
+    ------
+    PlanMismatchError
+        If a plan was made for another graph.
+    ValueError
+        If ``plans`` is empty.
+    """
+    if not plans:
+        raise ValueError("plot_timeline needs at least one plan")
+    fig = _figure()
+    ax = fig.add_subplot()
+    num_fw = 0
+    for rank, (label, plan) in enumerate(plans.items()):
+        plan.check_applies_to(cg)
+        sim = simulate(cg, build_schedule(cg, plan.saved))
+        num_fw = sim.num_fw_steps
+        mib = [b / _MIB for b in sim.profile]
+        # one extra point so the last step is drawn as wide as the others; the first plan on top
+        ax.plot(range(len(mib) + 1), mib + mib[-1:], drawstyle="steps-post", linewidth=1.8,
+                zorder=3 + len(plans) - rank, label=f"{label}: peak {human_bytes(sim.peak_bytes)}")
+    ax.axvline(num_fw, color="0.3", linestyle=":", linewidth=1.2)
+    for text, align in (("\u2190 forward ", "right"), (" \u2192 backward", "left")):
+        ax.text(num_fw, 0.98, text, transform=ax.get_xaxis_transform(), va="top", ha=align,
+                fontsize=9, color="0.3")
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes / _MIB, color="crimson", linestyle="--", linewidth=1.2,
+                   label=f"budget {human_bytes(budget_bytes)}")
+    ax.set_xlabel("step (forward nodes, then backward nodes with their recomputation)")
+    ax.set_ylabel("live activation memory (MiB)")
+    ax.set_title("Memory over one training step")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.08)  # room for the forward / backward labels
+    ax.legend(loc="best", fontsize=9)
+    return save_figure(fig, path)
+
+
+# ---------------------------------------------------------------------------- pareto
+def plot_pareto(rows: Sequence["ParetoRow"], path: str | os.PathLike) -> str:
+    """Draw recompute FLOP overhead against predicted peak: the budget sweep and hand-picked strategies.
+
+    Parameters
+    ----------
+    rows : sequence of :class:`remat_compiler.sweep.ParetoRow`
+        Rows with ``kind == "sweep"`` form the curve; ``kind == "strategy"`` rows are marked
+        separately. Rows without a plan (infeasible, not applicable) are skipped.
+    path : str or PathLike
+        PNG to write.
+
+    Returns
+    -------
+    str
+        The absolute path written.
+
+    Raises
+    ------
+    ValueError
+        If no row has a plan.
+    """
+    drawn = [r for r in rows if r.plan is not None]
+    if not drawn:
+        raise ValueError("no feasible point to draw: every budget was infeasible or no strategy applied")
+    fig = _figure(8.0, 5.0)
+    ax = fig.add_subplot()
+    sweep = sorted((r for r in drawn if r.kind == "sweep"), key=lambda r: r.plan.peak_bytes)
+    if sweep:
+        ax.plot([r.plan.peak_bytes / _MIB for r in sweep], [100 * r.plan.flop_overhead for r in sweep],
+                marker="o", linewidth=1.6, label=f"{sweep[0].plan.solver} budget sweep")
+        for r in sweep:
+            ax.annotate(r.budget, (r.plan.peak_bytes / _MIB, 100 * r.plan.flop_overhead),
+                        textcoords="offset points", xytext=(4, 6), fontsize=8, color="0.25")
+    strategies = [r for r in drawn if r.kind == "strategy"]
+    for i, r in enumerate(strategies):  # colours C1.. and distinct markers: the sweep keeps C0
+        ax.scatter([r.plan.peak_bytes / _MIB], [100 * r.plan.flop_overhead], s=70, zorder=3,
+                   marker="sD^vP*Xh"[i % 8], color=f"C{1 + i % 9}", label=r.label)
+    ax.set_xlabel("predicted step peak (MiB)")
+    ax.set_ylabel("recompute overhead (% of the step's FLOPs)")
+    ax.set_title("Recompute overhead against peak memory")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+    return save_figure(fig, path)
+
+
+# ---------------------------------------------------------------------------- DOT
+def node_decisions(cg: CostGraph, plan: Plan) -> dict[str, str]:
+    """Class of every node for pictures: a key of :data:`DOT_COLORS`.
+
+    Forward candidates are ``saved``, ``recomputed`` or ``dropped`` (neither: freed after the
+    forward because backward never needs them); other forward nodes are ``recomputed`` when the
+    plan recomputes them (views, getitems) or ``forward``.
+
+    Raises
+    ------
+    PlanMismatchError
+        If the plan was made for another graph.
+    """
+    plan.check_applies_to(cg)
+    saved, recomputed, candidates = set(plan.saved), set(plan.recomputed), set(cg.candidates)
+    out = {}
+    for n in cg.order:
+        phase = cg.attr(n, "phase")
+        if phase in ("input", "tangent"):
+            out[n] = "input"
+        elif phase == "bw":
+            out[n] = "backward"
+        elif n in saved:
+            out[n] = "saved"
+        elif n in recomputed:
+            out[n] = "recomputed"
+        elif n in candidates:
+            out[n] = "dropped"
+        else:
+            out[n] = "forward"
+    return out
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _node_label(cg: CostGraph, n: str) -> str:
+    a = cg.g.nodes[n]
+    parts = [n, a["op"].replace("aten.", "")]
+    if a["shape"]:
+        parts.append("x".join(map(str, a["shape"])))
+    if a["bytes"]:
+        parts.append(human_bytes(a["bytes"]))
+    return "\n".join(parts)
+
+
+def plan_to_dot(cg: CostGraph, plan: Plan) -> str:
+    """The graph as DOT text, forward nodes coloured by the plan's decision, backward nodes grey.
+
+    Each node has ``class`` set to its decision (see :func:`node_decisions`), so tools can read
+    the plan back from the picture.
+
+    Parameters
+    ----------
+    cg : CostGraph
+    plan : Plan
+
+    Returns
+    -------
+    str
+        A ``digraph`` that Graphviz (``dot -Tsvg``) and pydot read.
+
+    Raises
+    ------
+    PlanMismatchError
+        If the plan was made for another graph.
+    """
+    decisions = node_decisions(cg, plan)
+    legend = ", ".join(f"{k} {v}" for k, v in DOT_COLORS.items())
+    title = (f"plan by {plan.solver} ({plan.status}): peak {human_bytes(plan.peak_bytes)}, budget "
+             f"{human_bytes(plan.budget_bytes) if plan.budget_bytes else 'unlimited'}, "
+             f"recompute {plan.flop_overhead:.1%} FLOPs\ncolours: {legend}")
+    lines = ["digraph remat_plan {",
+             f'  graph [rankdir=TB, labelloc=t, fontname="Helvetica", label={_dot_quote(title)}];',
+             '  node [shape=box, style="filled,rounded", fontname="Helvetica", fontsize=9];',
+             '  edge [color="#777777", arrowsize=0.6];']
+    for n in cg.order:
+        cls = decisions[n]
+        style = ', style="filled,rounded,dashed"' if cls == "dropped" else ""
+        lines.append(f"  {_dot_quote(n)} [label={_dot_quote(_node_label(cg, n))}, "
+                     f'class="{cls}", fillcolor="{DOT_COLORS[cls]}"{style}];')
+    for u, v in sorted(cg.g.edges, key=lambda e: (cg.attr(e[1], "order"), cg.attr(e[0], "order"))):
+        lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- text
+def format_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """Left-aligned plain-text columns with a rule under the header.
+
+    Example
+    -------
+    >>> print(format_table(["a", "bb"], [[1, 2]]))
+    a  bb
+    -  --
+    1  2
+    """
+    table = [[str(c) for c in header], *([str(c) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def note_cell(text: str, notes: list[str], *, limit: int = 48) -> str:
+    """A table cell for ``text``: as is when short, else its head and a numbered note in ``notes``.
+
+    Example
+    -------
+    >>> notes = []
+    >>> note_cell("n/a: " + "x" * 60, notes), len(notes)
+    ('n/a [1]', 1)
+    """
+    if len(text) <= limit:
+        return text
+    notes.append(f"[{len(notes) + 1}] {text}")
+    return f"{text.split(':')[0][:limit]} [{len(notes)}]"
