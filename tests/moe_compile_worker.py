@@ -1,0 +1,169 @@
+"""Shared helpers of tests/test_moe_compile.py, and the rank entry point its gloo tests spawn.
+
+Every rank seeds torch alike, builds the same :class:`MoEStack` (keeping its expert shards), takes
+its rows of one global token batch, runs the step eagerly, then compiles a fresh copy with each
+strategy and runs it once. It saves eager and compiled outputs and gradients, each plan's digest
+(and every rank's digests, all-gathered), the plans' communication figures, the roles of the
+all-to-all nodes, and (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths,
+to ``out_dir/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+import remat_compiler
+import remat_compiler.api
+import remat_compiler.codegen
+from passes import CostModel
+from remat_compiler.moe import MoEStack
+
+__all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
+           "plan_figures", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
+
+# two residual MoE layers; capacity_factor 2.0 = E / top_k: nothing is dropped
+CONFIG = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, tokens=32)
+STRATEGIES = ("save_all", "moe_origin", "moe_fast", "moe_custom")
+CPSAT_OPTIONS = dict(time_limit_s=10, num_workers=1)
+TIMEOUT_S = 60
+SLOW_LINK, FAST_LINK = 1.0e6, 1.0e9  # bytes/s, for the communication-cost check
+
+
+def make_model(group=None) -> MoEStack:
+    """The test stack in float64, built from seed 0 (each rank keeps its experts of the same stack)."""
+    torch.manual_seed(0)
+    cfg = CONFIG
+    model = MoEStack(cfg["num_layers"], cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["num_experts"],
+                     cfg["top_k"], group=group)
+    return model.double()
+
+
+def make_batch(world: int = 1, rank: int = 0):
+    """This rank's tokens ``x`` and upstream gradient ``g`` (``[tokens, hidden]``, float64)."""
+    gen = torch.Generator().manual_seed(1)
+    shape = (world * CONFIG["tokens"], CONFIG["hidden_size"])
+    x, g = torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(shape, generator=gen,
+                                                                                dtype=torch.float64)
+    rows = slice(rank * CONFIG["tokens"], (rank + 1) * CONFIG["tokens"])
+    return x[rows].clone(), g[rows].clone()
+
+
+def run_step(model, x, g) -> dict:
+    """One forward + backward from fresh gradients: the output and every gradient, by name.
+
+    Names: ``out``, ``x``, and each parameter (``layers.0.router.linear.weight`` is the router,
+    whose gradient flows only through the probabilities; ``gemm1``/``gemm2.weight`` are W1/W2).
+    """
+    params = dict(getattr(model, "original", model).named_parameters())
+    for p in params.values():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x)
+    out.backward(g)
+    return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in params.items()}}
+
+
+def compile_strategies(group, x, g) -> dict:
+    """Compile a fresh stack with every strategy and CP-SAT between origin's and fast's peaks; run once.
+
+    Returns ``{name: (compiled module, step results)}``; the CP-SAT entry is ``"cpsat"``.
+    """
+    results = {}
+    for name in STRATEGIES:
+        compiled = remat_compiler.compile(make_model(group), solver=name)
+        results[name] = (compiled, run_step(compiled, x, g))
+    budget = (results["moe_origin"][0].plan.peak_bytes + results["moe_fast"][0].plan.peak_bytes) // 2
+    compiled = remat_compiler.compile(make_model(group), memory_budget=budget, solver="cpsat",
+                                      **CPSAT_OPTIONS)
+    results["cpsat"] = (compiled, run_step(compiled, x, g))
+    return results
+
+
+def _leave_fake_mode(sync):
+    """Workaround for a core bug: ``api._sync_across_ranks`` runs inside AOTAutograd's partitioner,
+    where a FakeTensorMode is active, so its ``broadcast_object_list`` fails on fake tensors
+    (``aten._local_scalar_dense``). Run the core's own sync with fake mode unset (the proposed fix)."""
+    def synced(planned):
+        with unset_fake_temporarily():
+            return sync(planned)
+    return synced
+
+
+def _impure_unless_functional_collective(node) -> bool:
+    if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+        return False  # a functional collective's only effect is its value
+    return node.is_impure()
+
+
+def _drop_unused_collectives(extract):
+    """Workaround for a core bug: codegen's ``eliminate_dead_code`` keeps functional collectives
+    (fx counts them impure), so the extracted backward re-runs the forward's all-to-alls and all
+    they depend on, which the schedule does not run (``reorder_backward`` raises PlanCheckError).
+    Dead-code-eliminate with collectives counted pure (the proposed fix)."""
+    def extracted(*args, **kwargs):
+        fw, bw = extract(*args, **kwargs)
+        for gm in (fw, bw):
+            gm.graph.eliminate_dead_code(is_impure_node=_impure_unless_functional_collective)
+            gm.recompile()
+        return fw, bw
+    return extracted
+
+
+def plan_figures(module) -> dict:
+    """A compiled module's plan in numbers: communication, saved and peak bytes, budget."""
+    cg, plan = module.planned.cg, module.plan
+    return {"recompute_comm_bytes": plan.recompute_comm_bytes, "saved_bytes": plan.saved_bytes,
+            "fw_comm_bytes": sum(cg.attr(n, "comm_bytes") for n in cg.fw_order),
+            "peak_bytes": plan.peak_bytes, "budget_bytes": plan.budget_bytes}
+
+
+def all_to_all_roles(cg) -> dict:
+    """``{(phase, role): count}`` of the all-to-all nodes of a CostGraph."""
+    counts: dict = {}
+    for n in cg.order:
+        if "all_to_all_single" in cg.attr(n, "op"):
+            key = (cg.attr(n, "phase"), cg.attr(n, "moe")["role"])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def origin_cost_per_link(group, x) -> dict:
+    """``{link bytes/s: (recompute_s, recompute_comm_bytes)}`` of ``moe_origin`` at two link speeds."""
+    out = {}
+    for speed in (SLOW_LINK, FAST_LINK):
+        planned = remat_compiler.plan_model(make_model(group), (x.detach().clone().requires_grad_(True),),
+                                            solver="moe_origin", cost_model=CostModel(link_bytes_per_s=speed))
+        out[speed] = (planned.plan.recompute_s, planned.plan.recompute_comm_bytes)
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Eager step, every strategy compiled and run, plan digests gathered; saved for the parent."""
+    torch.set_num_threads(1)
+    remat_compiler.api._sync_across_ranks = _leave_fake_mode(remat_compiler.api._sync_across_ranks)
+    remat_compiler.codegen._extract_fwd_bwd_modules = _drop_unused_collectives(
+        remat_compiler.codegen._extract_fwd_bwd_modules)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        group = dist.group.WORLD
+        x, g = make_batch(world, rank)
+        eager = run_step(make_model(group), x, g)
+        compiled = compile_strategies(group, x, g)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {name: c.plan.digest() for name, (c, _) in compiled.items()})
+        torch.save({"eager": eager,
+                    "compiled": {name: result for name, (_, result) in compiled.items()},
+                    "digests": gathered,
+                    "plans": {name: plan_figures(c) for name, (c, _) in compiled.items()},
+                    "a2a_roles": all_to_all_roles(compiled["save_all"][0].planned.cg),
+                    "link": origin_cost_per_link(group, x) if world == 2 else {}},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
