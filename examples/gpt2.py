@@ -1,6 +1,6 @@
 """GPT-2 from HuggingFace transformers, built from a small random config (nothing is downloaded).
 
-CLI: ``remat-compiler plan examples/gpt2.py:build --budget 0.4``. Python: ``python examples/gpt2.py``.
+CLI: ``remat-compiler plan examples/gpt2.py:build --budget 0.5``. Python: ``python examples/gpt2.py``.
 """
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ def make_gpt2(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, vocab_size: 
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size,
                         n_positions=n_positions, resid_pdrop=dropout, embd_pdrop=dropout,
-                        attn_pdrop=dropout, use_cache=False)
+                        attn_pdrop=dropout, use_cache=False,  # token ids inside the small vocabulary:
+                        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
     config._attn_implementation = "eager"
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # the default loss, named so that transformers does not warn
+    return model
 
 
 def build(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, vocab_size: int = 1024, batch: int = 2,

@@ -31,6 +31,17 @@ from typing import Any, Callable, Iterator
 
 import click
 
+from remat_compiler.api import PlannedGraph, analyze, plan_graph
+from remat_compiler.budget import human_bytes, parse_budget
+from remat_compiler.check import check_plan
+from remat_compiler.compare import common_budget_bytes, eager_reference, format_compare_table, run_strategy
+from remat_compiler.errors import InfeasibleBudgetError, PlanCheckError, PlanMismatchError, RematError
+from remat_compiler.plan import Plan, atomic_write_text
+from remat_compiler.solvers import get_solver, solve
+from remat_compiler.sweep import format_pareto_table, options_for, strategy_points, sweep_budgets
+from remat_compiler.viz import plan_to_dot, plot_pareto, plot_timeline
+from remat_compiler.workload import FactoryError, Workload, load_workload, parse_factory_args
+
 __all__ = ["main", "cli", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INFEASIBLE"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
@@ -58,18 +69,26 @@ class Console:
             click.echo(f"[{PROG}] {message}", err=True)
 
     def shows_progress(self) -> bool:
+        """Progress is drawn only on a terminal, and not with --quiet."""
         return not self.quiet and sys.stderr.isatty()
+
+    def progress_callback(self, label: str) -> Callable[[dict], None] | None:
+        """A solver ``progress`` callback that redraws one stderr line, or None when not shown."""
+        if not self.shows_progress():
+            return None
+        return lambda info: click.echo("\r\033[K" + format_progress(label, info), err=True, nl=False)
+
+    def clear_progress(self) -> None:
+        if self.shows_progress():
+            click.echo("\r\033[K", err=True, nl=False)
 
     @contextlib.contextmanager
     def progress(self, label: str) -> Iterator[Callable[[dict], None] | None]:
-        """Yield a solver progress callback that redraws one stderr line, or None when not shown."""
-        if not self.shows_progress():
-            yield None
-            return
+        """The progress callback for one solve, with the line cleared afterwards."""
         try:
-            yield lambda info: click.echo("\r\033[K" + format_progress(label, info), err=True, nl=False)
+            yield self.progress_callback(label)
         finally:
-            click.echo("\r\033[K", err=True, nl=False)
+            self.clear_progress()
 
 
 def format_progress(label: str, info: dict) -> str:
@@ -99,8 +118,6 @@ class BudgetType(click.ParamType):
     name = "BUDGET"
 
     def convert(self, value: Any, param, ctx) -> str:
-        from remat_compiler.budget import parse_budget
-
         try:
             parse_budget(str(value))
         except ValueError as exc:
@@ -112,8 +129,6 @@ BUDGET = BudgetType()
 
 
 def _check_solver(ctx, param, value: str | None) -> str | None:
-    from remat_compiler.solvers import get_solver
-
     if value is not None:
         try:
             get_solver(value)
@@ -141,17 +156,14 @@ def _check_budget_list(ctx, param, value: str) -> list[str]:
 
 
 def _factory_args(ctx, param, value) -> dict:
-    from remat_compiler.workload import FactoryError, parse_factory_args
-
     try:
         return parse_factory_args(value)
     except FactoryError as exc:
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
-def _load_workload(spec: str, factory_kwargs: dict, console: Console):
-    from remat_compiler.workload import FactoryError, load_workload
-
+def _load_workload(spec: str, factory_kwargs: dict, console: Console) -> Workload:
+    """Build the factory's workload; a spec that names nothing usable is a bad argument."""
     with timed(console, f"build {spec}"):
         try:
             return load_workload(spec, factory_kwargs)
@@ -169,11 +181,9 @@ time_limit_option = click.option(
 
 
 # ---------------------------------------------------------------------------- pipeline helpers
-def _solve(console: Console, workload, budget: str | None, solver: str, time_limit_s: float | None):
-    """Trace, solve and check: returns the PlannedGraph."""
-    from remat_compiler.api import analyze, plan_graph
-    from remat_compiler.sweep import options_for
-
+def _solve(console: Console, workload: Workload, budget: str | None, solver: str,
+           time_limit_s: float | None) -> PlannedGraph:
+    """Trace, solve and check (the pipeline's first steps), with progress and step timings."""
     with timed(console, "trace and annotate"):
         gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver)
     console.detail(f"graph {cg.fingerprint}: {cg.summary()}")
@@ -182,13 +192,9 @@ def _solve(console: Console, workload, budget: str | None, solver: str, time_lim
         return plan_graph(gm, cg, budget, solver=solver, **opts)
 
 
-def _apply_saved_plan(console: Console, workload, path: str):
-    """Trace the model and re-apply a saved plan to it; a bad file is a bad argument."""
-    from remat_compiler.api import PlannedGraph, analyze
-    from remat_compiler.check import check_plan
-    from remat_compiler.errors import PlanCheckError, PlanMismatchError
-    from remat_compiler.plan import Plan
-
+def _apply_saved_plan(console: Console, workload: Workload, path: str) -> PlannedGraph:
+    """Trace the model and re-apply a saved plan to it; a file that is not a valid plan for this
+    model (corrupt, edited, or made for another graph) is a bad argument."""
     try:
         plan = Plan.load(path)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -199,16 +205,19 @@ def _apply_saved_plan(console: Console, workload, path: str):
         gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=plan.solver)
     try:
         plan.check_applies_to(cg)
-        sim = check_plan(cg, plan)
-    except (PlanMismatchError, PlanCheckError) as exc:
+    except PlanMismatchError as exc:
         raise click.BadParameter(f"{path}: {exc}", param_hint="--load") from exc
+    try:
+        sim = check_plan(cg, plan)
+    except PlanCheckError as exc:  # the digest held, but the decisions do not: an edited file
+        raise click.BadParameter(f"{path} is not a valid plan for this model: {exc}",
+                                 param_hint="--load") from exc
     console.detail(f"re-applied plan {plan.digest()} to graph {cg.fingerprint}")
     return PlannedGraph(gm=gm, cg=cg, plan=plan, sim=sim)
 
 
-def _render(planned, fmt: str, all_rows: bool) -> str:
-    from remat_compiler.viz import plan_to_dot
-
+def _render(planned: PlannedGraph, fmt: str, all_rows: bool) -> str:
+    """The plan as a table (Plan.explain plus its digest), JSON (Plan.to_json) or DOT."""
     plan = planned.plan
     if fmt == "json":
         return plan.to_json() + "\n"
@@ -219,8 +228,7 @@ def _render(planned, fmt: str, all_rows: bool) -> str:
 
 
 def _emit_text(console: Console, text: str, output: str | None) -> None:
-    from remat_compiler.plan import atomic_write_text
-
+    """Print ``text``, or write it atomically to ``output``."""
     if output is None:
         click.echo(text, nl=False)
         return
@@ -228,22 +236,14 @@ def _emit_text(console: Console, text: str, output: str | None) -> None:
     console.note(f"wrote {output}")
 
 
-def _write_timeline(planned, path: str) -> str:
-    from remat_compiler.solvers import solve
-    from remat_compiler.viz import plot_timeline
-
+def _write_timeline(planned: PlannedGraph, path: str) -> str:
+    """Draw the plan's memory timeline beside save-all's; returns the absolute path written."""
     plan, cg = planned.plan, planned.cg
-    budget = human_bytes_or_unlimited(plan.budget_bytes)
+    budget = human_bytes(plan.budget_bytes) if plan.budget_bytes else "unlimited"
     plans = {f"{plan.solver} (budget {budget})": plan}
     if plan.solver != "save_all":
         plans["save_all (no recompute)"] = solve(cg, None, "save_all")
     return plot_timeline(cg, plans, plan.budget_bytes, path)
-
-
-def human_bytes_or_unlimited(nbytes: int | None) -> str:
-    from remat_compiler.budget import human_bytes
-
-    return human_bytes(nbytes) if nbytes else "unlimited"
 
 
 # ---------------------------------------------------------------------------- commands
@@ -318,23 +318,14 @@ def pareto(ctx: click.Context, factory: str, factory_kwargs: dict, budgets: list
     Infeasible budgets and strategies that do not apply are rows with the reason; the exit code
     is 0 as long as the table is printed.
     """
-    from remat_compiler.api import analyze
-    from remat_compiler.sweep import format_pareto_table, strategy_points, sweep_budgets
-    from remat_compiler.viz import plot_pareto
-
     console: Console = ctx.obj
     workload = _load_workload(factory, factory_kwargs, console)
     with timed(console, "trace and annotate"):
-        _, cg = analyze(workload.model, workload.args, workload.kwargs)
-
-    def progress_for(label: str):
-        return (lambda info: click.echo("\r\033[K" + format_progress(label, info), err=True, nl=False)
-                ) if console.shows_progress() else None
-
+        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver)
     with timed(console, "budget sweep"):
-        rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s, progress=progress_for)
-    if console.shows_progress():
-        click.echo("\r\033[K", err=True, nl=False)
+        rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s,
+                             progress=console.progress_callback)
+    console.clear_progress()
     with timed(console, "hand-picked strategies"):
         rows += strategy_points(workload.model, workload.args, workload.kwargs, cg, strategies)
     click.echo(format_pareto_table(rows))
@@ -359,15 +350,12 @@ def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: 
     Strategies that are infeasible at the budget or do not apply are rows with the reason. The
     exit code is 0 if at least one strategy ran; otherwise 3 if one was infeasible, else 2.
     """
-    from remat_compiler.budget import human_bytes
-    from remat_compiler.compare import (common_budget_bytes, eager_reference, format_compare_table,
-                                        run_strategy)
-
     console: Console = ctx.obj
     workload = _load_workload(factory, factory_kwargs, console)
     budget_bytes = common_budget_bytes(workload, budget)
     if budget_bytes is not None:
-        console.note(f"budget {budget} = {human_bytes(budget_bytes)} ({budget_bytes} bytes) for every strategy")
+        console.note(f"budget {budget} = {human_bytes(budget_bytes)} ({budget_bytes} bytes) for every "
+                     "strategy")
     with timed(console, "eager reference"):
         runs = [eager_reference(workload, steps=steps)]
     for name in strategies:
@@ -411,8 +399,6 @@ class NoStrategyRan(click.ClickException):
 
 def _classify(exc: BaseException) -> tuple[int, str]:
     """Map an exception to the documented exit code and its one-line message."""
-    from remat_compiler.errors import InfeasibleBudgetError, RematError
-
     if isinstance(exc, click.UsageError):
         return EXIT_USAGE, exc.format_message()
     if isinstance(exc, click.ClickException):
@@ -461,7 +447,7 @@ def main(argv: list[str] | None = None, *, prog_name: str = PROG) -> int:
         return 130
     except Exception as exc:  # translated to the documented exit codes, never dropped
         code, message = _classify(exc)
-        if verbose:
+        if verbose and not isinstance(exc, click.UsageError):  # a usage error's stack says nothing
             traceback.print_exc(file=sys.stderr)
         click.echo(f"{PROG}: error: {_one_line(message)}", err=True)
         return code

@@ -18,7 +18,7 @@ from remat_compiler.check import check_plan
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError, RematError
 from remat_compiler.plan import Plan
-from remat_compiler.solvers import SOLVERS, get_solver, resolve_budget, solve
+from remat_compiler.solvers import SOLVERS, get_solver, solve
 from remat_compiler.viz import format_table, note_cell
 
 __all__ = ["ParetoRow", "sweep_budgets", "strategy_points", "hand_picked_strategies", "options_for",
