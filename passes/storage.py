@@ -2,11 +2,14 @@
 
 Writes ``meta["remat.storage"]`` (the name of the node that first produced this storage; a view or an
 alias names its base), ``meta["remat.bytes"]`` (the storage's bytes on the node that owns it, 0 on views,
-aliases, tuples and non-tensors) and ``meta["remat.tuple"]`` (a multi-output node; its tensors belong
-to its ``getitem`` users). Aliasing is read from the FakeTensors' storage identity, so every view op,
+aliases and non-tensors) and ``meta["remat.tuple"]`` (a multi-output node; its tensors belong to
+its ``getitem`` users, except outputs nobody takes, whose bytes the multi-output node owns: they
+live until its last ``getitem`` is read). Aliasing is read from the FakeTensors' storage identity, so every view op,
 ``detach`` and ``_unsafe_view`` is handled without a list of op names.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -39,6 +42,19 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
             else:
                 owner[key] = n.name
                 n.meta[STORAGE], n.meta[BYTES] = n.name, _storage_bytes(val)
+        elif n.meta[TUPLE]:
+            # outputs no getitem takes (e.g. nll_loss's total_weight) live in the tuple until its
+            # last getitem is read; they belong to the multi-output node itself
+            taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+            loose = 0
+            for i, t in enumerate(val):
+                if i in taken or not isinstance(t, torch.Tensor):
+                    continue
+                key = StorageWeakRef(t.untyped_storage())
+                if key not in owner:
+                    owner[key] = n.name
+                    loose += _storage_bytes(t)
+            n.meta[STORAGE], n.meta[BYTES] = (n.name, loose) if loose else (None, 0)
         else:
             n.meta[STORAGE], n.meta[BYTES] = None, 0
     return gm

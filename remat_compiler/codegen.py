@@ -7,7 +7,7 @@ backward step that needs it, and fx's generated code releases every value after 
 from __future__ import annotations
 
 import torch.fx as fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, is_not_collective
 
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -25,8 +25,13 @@ def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """
     by_name = {n.name: n for n in bw.graph.nodes}
     scheduled = [x for rec, b in plan.schedule.bw for x in (*rec, b)]
+    scheduled_set = set(scheduled)
+    for n in reversed(list(bw.graph.nodes)):  # dead leftovers of extraction (a random op whose
+        if n.op == "call_function" and not n.users and n.name not in scheduled_set \
+                and is_not_collective(n):  # outputs are all saved) are dropped, not run
+            bw.graph.erase_node(n)
     body = {n.name for n in bw.graph.nodes if n.op in ("call_function", "get_attr")}
-    missing = body - set(scheduled)
+    missing = body - scheduled_set
     if missing:
         raise PlanCheckError(f"backward graph runs nodes the schedule does not: {sorted(missing)[:8]}")
     new = fx.Graph()

@@ -201,7 +201,8 @@ class CostGraph:
         recomputed just before its first use there.
         """
         return [n for n in self.fw_order
-                if self.storage(n) == n and self.g.nodes[n]["bytes"] > 0 and n not in self.held_storages]
+                if self.storage(n) == n and self.g.nodes[n]["bytes"] > 0 and n not in self.held_storages
+                and not self.g.nodes[n]["is_tuple"]]
 
     @cached_property
     def fw_index(self) -> dict[str, int]:

@@ -14,8 +14,10 @@ Memory is counted per node: each node allocates its output while its inputs are 
 freed right after its last reader (as fx's generated code does). Steps group nodes for the solver:
 forward step ``i`` runs the i-th forward node; backward step ``F + j`` runs the recomputations the j-th
 backward node needs and then that node; the step-level view counts a value as live from the step that
-allocates it through the step of its last use. Parameters and inputs are resident before the step and not counted; tangents appear at
-the first backward step; parameter gradients and the caller's outputs stay live to the end.
+allocates it through the step of its last use. Parameters and inputs are resident before the step
+and not counted; tangents appear at the first backward step; parameter gradients, the caller's
+outputs and a scalar loss's seed gradient stay live to the end. Memory that code outside the compiled
+module allocates (a loss computed outside it) is not part of the plan.
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ class SimResult:
     recompute_s: float
     recompute_flops: int
     recompute_comm_bytes: int
+    events: list[tuple[str, int]] = field(default_factory=list)  # (node run, live bytes while it runs)
 
 
 def _is_getitem(cg: CostGraph, n: str) -> bool:
@@ -220,8 +223,11 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         iv = intervals[key]
         iv[1], iv[3] = max(iv[1], step), max(iv[3], ev)
 
+    order: list[str] = []
+
     def run(n: str, step: int, kind: str) -> None:
         ev = clock["ev"]
+        order.append(n)
         for p in cg.preds(n):
             use(p, step, ev, n)
         if cg.storage(n) == n and cg.attr(n, "bytes") > 0:
@@ -245,8 +251,11 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             run(r, step, "rc")
         run(b, step, "bw")
     last_ev = clock["ev"] - 1
-    # held to the end: the caller's outputs and the gradients backward returns
-    for n in [*cg.fw_outputs, *cg.bw_outputs]:
+    # held to the end: the caller's outputs, the gradients backward returns, and the seed gradient of
+    # a scalar loss (autograd's engine holds the gradients it passes in until backward returns; the
+    # zeros AOTAutograd makes for outputs that get no gradient are freed after their last use)
+    scalar_seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()]
+    for n in [*cg.fw_outputs, *cg.bw_outputs, *scalar_seeds]:
         if n is None or cg.storage(n) is None:
             continue
         key = live.get(cg.storage(n))
@@ -266,6 +275,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         recompute_s=sum(cg.attr(r, "runtime_s") for r in recomputed),
         recompute_flops=sum(cg.attr(r, "flops") for r in recomputed),
         recompute_comm_bytes=sum(cg.attr(r, "comm_bytes") for r in recomputed),
+        events=list(zip(order, events)),
     )
 
 

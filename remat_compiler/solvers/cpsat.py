@@ -126,7 +126,7 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     base = simulate(cg, build_schedule(cg, save_all_set(cg)))
     fixed = [(a, z, size) for (owner, _kind), (a, z, size) in base.intervals.items()
              if owner not in cand_set and size > 0]
-    sizes = [cg.attr(c, "bytes") for c in cands] + [s for _, _, s in fixed]
+    sizes = [cg.attr(c, "bytes") for c in cg.fw_order if cg.storage(c) == c] + [s for _, _, s in fixed]
     unit = reduce(math.gcd, [s for s in sizes if s > 0], 0) or 1
 
     # Model nodes: forward nodes backward might need (not always available).
@@ -222,6 +222,12 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         aux[v].update(rc_start=rc_start, rc_size=rc_size, rc_end=rc_end)
         demands.append(size)
 
+    for v in M:  # a recomputed multi-output op's untaken outputs, live while its getitems are taken
+        if cg.attr(v, "is_tuple") and cg.attr(v, "bytes") > 0 and v not in cand_set:
+            start = m.new_int_var(F, F + B - 1, f"tups_{v}")
+            m.add(start == F + st[v])
+            intervals.append(m.new_optional_fixed_size_interval_var(start, 1, r[v], f"tup_{v}"))
+            demands.append(cg.attr(v, "bytes") // unit)
     fixed_peak = max(base.profile) if base.profile else 0
     cap_hi = sum(demands) + 1
     peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
@@ -464,15 +470,28 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     solver = _solver(time_limit_s, num_workers, deterministic)
     cb = _Progress(progress) if progress else None
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
-    if status == cp_model.INFEASIBLE or status == cp_model.UNKNOWN:
-        min_peak, proven, _ = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
-                                                deterministic=deterministic)
-        if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
-            raise InfeasibleBudgetError(budget_bytes, min_peak)
-        raise RuntimeError(f"CP-SAT found no plan within {time_limit_s} s for a feasible budget "
-                           f"({budget_bytes} >= smallest peak {min_peak}); raise time_limit_s")
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT model invalid: {rm.model.validate()}")
+    if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
+        # No plan yet: find the lowest-peak plan; it names the smallest budget, or seeds a second try.
+        bound = solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0
+        min_peak, _proven, low = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
+                                                   deterministic=deterministic)
+        if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
+            raise InfeasibleBudgetError(budget_bytes, min_peak)
+        rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+        _hint(rm, cg, low)
+        solver = _solver(time_limit_s, num_workers, deterministic)
+        status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the lowest-peak plan itself
+            schedule = build_schedule(cg, low)
+            cost = sum(cost_units(cg, n) for n in schedule.recomputed)
+            return make_plan(cg, low, budget_bytes=budget_bytes, solver="cpsat", status="feasible",
+                             gap=0.0 if cost == 0 else max(0.0, 1 - bound * rm.cost_gcd / cost),
+                             solve_time_s=time.perf_counter() - t0,
+                             model_peak_bytes=simulate(cg, schedule).step_peak_bytes,
+                             baseline_peak_bytes=base_peak,
+                             extras={"cost_units": cost, "cost_bound_units": bound * rm.cost_gcd})
     saved = {v for v, var in rm.saved.items() if solver.value(var)}
     best_cost = int(round(solver.objective_value))
     bound = solver.best_objective_bound

@@ -1,0 +1,182 @@
+"""remat_compiler.compile as a user meets it: the module, plans per signature, plans on disk, errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat_compiler as rc
+from examples.models import MLPChain
+from remat_compiler.memory import LiveStorageTracker
+
+
+class WithLoss(nn.Module):
+    """An MLP chain that computes its own loss, so the whole step is inside the compiled module."""
+
+    def __init__(self, width=128, depth=6):
+        super().__init__()
+        self.net = MLPChain(width, depth)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _data(batch=512, width=128):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_shares_parameters_state_dict_and_optimizer():
+    torch.manual_seed(0)
+    model = WithLoss()
+    m = rc.compile(model, memory_budget=0.7)
+    assert [id(p) for p in m.parameters()] == [id(p) for p in model.parameters()]
+    assert list(m.state_dict()) == list(model.state_dict())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = model.net.head.weight.detach().clone()
+    x, y = _data()
+    m(x, y).backward()
+    opt.step()
+    assert not torch.equal(before, model.net.head.weight)
+
+
+def test_plan_per_signature_and_reuse():
+    torch.manual_seed(0)
+    model = WithLoss()
+    m = rc.compile(model, memory_budget=0.6)
+    x, y = _data(512)
+    m(x, y).backward()
+    plan_512 = m.plan
+    m(*_data(256)).backward()
+    assert m.plan is not plan_512 and m.plan.fingerprint != plan_512.fingerprint
+    m(x, y).backward()
+    assert m.plan is plan_512
+    assert len(m._entries) == 2
+
+
+def test_eval_and_no_grad_run_the_model_as_is():
+    torch.manual_seed(0)
+    model = WithLoss()
+    m = rc.compile(model, memory_budget=0.5)
+    x, y = _data()
+    with torch.no_grad():
+        assert torch.equal(m(x, y), model(x, y))
+    m.eval()
+    assert torch.equal(m(x, y), model(x, y))
+    assert m.plan is None and not m._entries
+
+
+def test_mlp_measured_peak_matches_prediction_and_budget():
+    torch.manual_seed(0)
+    model = WithLoss(width=128, depth=6)
+    x, y = _data(1024)
+    model(x, y).backward()
+    eager = _grads(model)
+    for budget in (0.9, 0.6, 0.5):
+        m = rc.compile(model, memory_budget=budget, time_limit_s=10)
+        for _ in range(2):  # the first call traces and plans
+            for p in model.parameters():
+                p.grad = None
+            with LiveStorageTracker() as mem:
+                m(x, y).backward()
+        plan = m.plan
+        assert mem.peak_bytes <= plan.budget_bytes
+        assert abs(mem.peak_bytes - plan.peak_bytes) <= 0.05 * plan.peak_bytes
+        for n, g in _grads(model).items():
+            assert torch.allclose(g, eager[n], rtol=1e-5, atol=1e-7), (budget, n)
+    assert plan.recomputed and plan.peak_bytes <= 0.5 * plan.baseline_peak_bytes
+
+
+def test_plan_json_round_trip_and_reapply(tmp_path):
+    torch.manual_seed(0)
+    model = WithLoss()
+    x, y = _data()
+    planned = rc.plan_model(model, (x, y), memory_budget=0.6, time_limit_s=10)
+    path = tmp_path / "plan.json"
+    planned.plan.save(path)
+    loaded = rc.Plan.load(path)
+    assert loaded.to_json() == planned.plan.to_json()
+    assert loaded.digest() == planned.plan.digest()
+    m = rc.compile(model, plan=loaded)
+    m(x, y).backward()
+    assert m.plan.saved == planned.plan.saved
+    with pytest.raises(rc.PlanMismatchError, match="re-plan"):
+        rc.compile(WithLoss(width=64), plan=loaded)(*_data(width=64))
+
+
+def test_corrupt_plan_is_detected(tmp_path):
+    torch.manual_seed(0)
+    model = WithLoss()
+    planned = rc.plan_model(model, _data(), memory_budget=0.6, time_limit_s=10)
+    doc = json.loads(planned.plan.to_json())
+    doc["saved"] = doc["saved"][:-1]
+    doc["schedule"]["saved"] = doc["schedule"]["saved"][:-1]
+    with pytest.raises(ValueError, match="corrupt"):
+        rc.Plan.from_json(json.dumps(doc))
+    with pytest.raises(ValueError, match="invalid JSON"):
+        rc.Plan.from_json(planned.plan.to_json()[:-20])
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # data-dependent control flow
+            h = h * 2
+        return h.sum()
+
+
+def test_untraceable_model_names_the_op_and_line():
+    with pytest.raises(rc.UntraceableModelError) as err:
+        rc.compile(DataDependent(), memory_budget=0.5)(torch.randn(3, 4))
+    msg = str(err.value)
+    assert "_local_scalar_dense" in msg or "data-dependent" in msg
+    assert "test_compile_api.py" in msg and "h.sum() > 0" in msg
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="expected a positive int"):
+        rc.compile(WithLoss(), memory_budget="lots")
+    with pytest.raises(ValueError, match="unknown solver"):
+        rc.compile(WithLoss(), solver="magic")
+
+
+class Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 1)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.tanh(self.fc1(x)))).sum()
+
+
+def test_random_ops_are_never_recomputed():
+    torch.manual_seed(0)
+    model = Dropout()
+    x = torch.randn(256, 64)
+    _, cg = rc.analyze(model, (x,))
+    smallest, _, _ = rc.solvers.cpsat.min_feasible_peak(cg, time_limit_s=10)
+    m = rc.compile(model, memory_budget=smallest, time_limit_s=10)
+    torch.manual_seed(5)
+    m(x).backward()
+    assert m.plan.recomputed and m.plan.peak_bytes < m.plan.baseline_peak_bytes
+    cg = m.planned.cg
+    random_nodes = [n for n in cg.fw_order if cg.attr(n, "never_recompute")]
+    assert random_nodes and not set(random_nodes) & set(m.plan.recomputed)
+    got = _grads(model)
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(5)
+    model(x).backward()
+    for n, g in _grads(model).items():
+        assert torch.allclose(g, got[n], rtol=1e-6, atol=1e-7), n

@@ -1,0 +1,68 @@
+"""GPT-2 (transformers, small random config): gradients, measured peak and monotonicity by budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat_compiler as rc
+from examples.gpt2 import build
+from remat_compiler.memory import LiveStorageTracker
+from remat_compiler.solvers.cpsat import min_feasible_peak
+
+pytest.importorskip("transformers")
+TIME_LIMIT_S = 8
+
+
+def _measured_step(model, call, loss_fn):
+    for p in model.parameters():
+        p.grad = None
+    with LiveStorageTracker() as mem:
+        out = call()
+        loss_fn(out).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return mem.peak_bytes, grads
+
+
+@pytest.fixture(scope="module")
+def runs():
+    model, inputs, loss_fn = build(n_layer=4, n_embd=128, n_head=4, vocab_size=512, batch=4, seq=128)
+    _, eager_grads = _measured_step(model, lambda: model(**inputs), loss_fn)
+    _, cg = rc.analyze(model, (), inputs)
+    smallest, _, _ = min_feasible_peak(cg, time_limit_s=TIME_LIMIT_S)
+    results = {}
+    for budget in (1.0, 0.6, 0.4, smallest):
+        compiled = rc.compile(model, memory_budget=budget, time_limit_s=TIME_LIMIT_S)
+        _measured_step(model, lambda: compiled(**inputs), loss_fn)  # trace, plan, warm up
+        peak, grads = _measured_step(model, lambda: compiled(**inputs), loss_fn)
+        results[budget] = (compiled.plan, peak, grads)
+    return eager_grads, results, smallest
+
+
+def test_gradients_match_eager_at_every_budget(runs):
+    eager, results, _ = runs
+    for budget, (plan, _peak, grads) in results.items():
+        assert grads.keys() == eager.keys()
+        for name in eager:
+            assert torch.allclose(grads[name], eager[name], rtol=1e-5, atol=1e-6), (budget, name)
+
+
+def test_measured_peak_under_budget_and_within_5_percent_of_prediction(runs):
+    _, results, _ = runs
+    for budget, (plan, peak, _grads) in results.items():
+        assert peak <= plan.budget_bytes, budget
+        assert abs(peak - plan.peak_bytes) <= 0.05 * plan.peak_bytes, (budget, peak, plan.peak_bytes)
+
+
+def test_recomputation_is_used_and_reported(runs):
+    _, results, smallest = runs
+    assert results[1.0][0].recomputed == [] or results[1.0][0].recompute_flops == 0
+    low = results[smallest][0]
+    assert low.recompute_flops > 0 and low.status in ("optimal", "feasible") and 0 <= low.gap <= 1
+    assert low.peak_bytes < 0.45 * low.baseline_peak_bytes
+
+
+def test_monotone_smaller_budget_never_larger_measured_peak(runs):
+    _, results, _ = runs
+    by_budget = sorted((plan.budget_bytes, peak) for plan, peak, _ in results.values())
+    peaks = [p for _, p in by_budget]
+    assert peaks == sorted(peaks)
