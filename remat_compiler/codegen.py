@@ -7,7 +7,6 @@ backward step that needs it, and fx's generated code releases every value after 
 from __future__ import annotations
 
 import torch.fx as fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules, is_not_collective
 
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -23,6 +22,8 @@ def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     PlanCheckError
         If the extracted backward does not contain exactly the nodes the schedule runs.
     """
+    from torch._functorch.partitioners import is_not_collective
+
     by_name = {n.name: n for n in bw.graph.nodes}
     scheduled = [x for rec, b in plan.schedule.bw for x in (*rec, b)]
     scheduled_set = set(scheduled)
@@ -57,6 +58,8 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     The forward returns the user outputs followed by the saved values (AOTAutograd's convention);
     the backward takes the saved values and the tangents and returns the input gradients.
     """
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules  # imports inductor: slow
+
     num_fwd = gm.meta["remat.num_fwd_outputs"]
     names = {n.name: n for n in gm.graph.nodes}
     saved_values = [names[x] for x in plan.schedule.bw_inputs

@@ -18,17 +18,27 @@ class InfeasibleBudgetError(RematError, ValueError):
         The budget that was asked for.
     min_feasible_bytes : int
         The smallest step peak a plan reaches on this graph; a budget at least this large works.
+    proven : bool
+        Whether that smallest peak is proven minimal (else it is the best the solver found in time).
     """
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int):
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, proven: bool = True):
         from remat_compiler.budget import human_bytes
 
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
-        super().__init__(
-            f"memory budget {budget_bytes} bytes ({human_bytes(budget_bytes)}) is infeasible: the "
-            f"smallest feasible budget for this model and input is {min_feasible_bytes} bytes "
-            f"({human_bytes(min_feasible_bytes)}); pass memory_budget >= {min_feasible_bytes}")
+        self.proven = bool(proven)
+        if proven:
+            super().__init__(
+                f"memory budget {budget_bytes} bytes ({human_bytes(budget_bytes)}) is infeasible: the "
+                f"smallest feasible budget for this model and input is {min_feasible_bytes} bytes "
+                f"({human_bytes(min_feasible_bytes)}); pass memory_budget >= {min_feasible_bytes}")
+        else:
+            super().__init__(
+                f"no plan found under memory budget {budget_bytes} bytes ({human_bytes(budget_bytes)}) "
+                f"within the time limit: the smallest feasible budget found is {min_feasible_bytes} "
+                f"bytes ({human_bytes(min_feasible_bytes)}), not proven minimal; pass memory_budget >= "
+                f"{min_feasible_bytes}, or a larger time_limit_s to search further")
 
 
 class UntraceableModelError(RematError):

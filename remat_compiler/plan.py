@@ -152,8 +152,9 @@ class Plan:
         """The plan as a JSON document with a schema version."""
         d = asdict(self)
         d["schedule"] = self.schedule.to_json()
+        d = json.loads(json.dumps(d))  # JSON types (tuples become lists) before hashing
+        d["digest"] = _document_digest(d)
         d["schema_version"] = SCHEMA_VERSION
-        d["digest"] = self.digest()
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -177,15 +178,14 @@ class Plan:
                              f"(this remat_compiler reads version {SCHEMA_VERSION}); re-plan the model")
         digest = d.pop("digest", None)
         d.pop("schema_version")
-        d["schedule"] = Schedule.from_json(d["schedule"])
-        d["values"] = [ValueInfo(**v) for v in d["values"]]
+        if digest != _document_digest(d):
+            raise ValueError("plan document is corrupt: its digest does not match its content")
         try:
-            plan = cls(**d)
-        except TypeError as exc:
-            raise ValueError(f"not a plan document: {exc}") from exc
-        if digest != plan.digest():
-            raise ValueError("plan document is corrupt: its digest does not match its schedule")
-        return plan
+            d["schedule"] = Schedule.from_json(d["schedule"])
+            d["values"] = [ValueInfo(**v) for v in d["values"]]
+            return cls(**d)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a plan document: {exc!r}") from exc
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON atomically (a temporary file in the same folder, then a rename)."""
@@ -205,6 +205,11 @@ class Plan:
                 f"re-plan with this model")
 
 
+def _document_digest(d: dict) -> str:
+    """A hash of a plan document's whole content (without its digest and schema version)."""
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never half."""
     path = os.fspath(path)
@@ -215,6 +220,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -83,7 +83,7 @@ def test_lecture_every_budget_from_smallest_to_unlimited():
     gm, cg = rc.analyze(model, (x, y))
     peaks = sorted(set(_all_saved_sets(cg).values()))
     # parameter gradients dominate this tiny network's peak: every plan peaks at the same bytes
-    assert peaks == [56]
+    assert peaks == [60]
     budgets = [None] + peaks[::-1]
     seen_plans = set()
     for budget in budgets:

@@ -38,7 +38,7 @@ from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 
 __all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
-           "build_model"]
+           "build_model", "block_classes"]
 
 
 def cost_units(cg: CostGraph, n: str) -> int:
@@ -69,6 +69,10 @@ class RematModel:
     aux: dict = None
     num_fw_steps: int = 0
     num_bw_steps: int = 0
+    first: dict = None
+    xs: dict = None
+    direct_first: dict = None
+    getitem_parent: dict = None
 
 
 def _storage_readers(cg: CostGraph):
@@ -163,17 +167,37 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         if v in s:
             m.add(s[v] == 0)
 
-    # needs and start times through recomputation edges
+    # needs through recomputation edges
     for u in M:
         for p in cg.preds(u):
-            if p not in in_m:
+            if p in in_m:
+                m.add_implication(r[u], need[p])
+    # Start times are exact, not bounds: a value's last read may be a recomputation that reads it,
+    # so an early start would let the model end a saved value's life before its real last read.
+    # first[v]: the first backward step that needs v (its direct first read, or the step where a
+    # recomputed reader is materialised); st[v]: the step where v is materialised when recomputed
+    # (= first[v], except a multi-output op's getitems, taken at the op's own step).
+    first, xs = {}, {}
+    getitem_parent = {u: cg.preds(u)[0] for u in M
+                      if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
+    for v in M:
+        first[v] = m.new_int_var(0, B - 1, f"first_{v}")
+    for v in M:
+        terms = [direct_first[v]] if v in direct_first else []
+        for w in cg.g.successors(v):
+            if w not in in_m:
                 continue
-            m.add_implication(r[u], need[p])
-            m.add(st[p] <= st[u]).only_enforce_if(r[u])
-        if cg.attr(u, "op") == "getitem":
-            parent = cg.preds(u)[0]
-            if parent in in_m:
-                m.add(st[u] == st[parent]).only_enforce_if(r[u])
+            at = first[w] if getitem_parent.get(w) == v else st[w]
+            x = m.new_int_var(0, B - 1, f"x_{v}_{w}")
+            xs[(v, w)] = x
+            m.add(x == at).only_enforce_if(r[w])
+            m.add(x == B - 1).only_enforce_if(~r[w] if not _is_const(r[w]) else m.new_constant(1))
+            terms.append(x)
+        m.add_min_equality(first[v], terms or [B - 1])
+        if v in getitem_parent:
+            m.add(st[v] == st[getitem_parent[v]]).only_enforce_if(r[v])
+        else:
+            m.add(st[v] == first[v])
 
     # memory
     intervals, demands = [], []
@@ -248,7 +272,8 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         raise ValueError(f"minimize must be 'cost' or 'peak', not {minimize!r}")
     return RematModel(model=m, saved=s, recomputed=r, peak=peak, cost=cost, unit_bytes=unit,
                       fixed_peak_bytes=fixed_peak, cost_gcd=g, need=need, start=st, aux=aux,
-                      num_fw_steps=F, num_bw_steps=B)
+                      num_fw_steps=F, num_bw_steps=B, first=first, xs=xs,
+                      direct_first=direct_first, getitem_parent=getitem_parent)
 
 
 def _conservative_times(cg: CostGraph, M: list[str], direct_first: dict[str, int],
@@ -347,6 +372,53 @@ def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -
     return solver
 
 
+def block_classes(cg: CostGraph) -> list[list[str]]:
+    """Candidates that correspond across identical repeated blocks: one list per position.
+
+    Blocks (``remat.block``) whose forward nodes have the same ops, shapes and dtypes in the same
+    order are identical; the i-th candidate of each forms one class. Empty if there are none.
+    """
+    blocks: dict[str, list[str]] = {}
+    for n in cg.fw_order:
+        b = cg.attr(n, "block")
+        if b is not None:
+            blocks.setdefault(b, []).append(n)
+    groups: dict[tuple, list[list[str]]] = {}
+    for b, nodes in blocks.items():
+        sig = tuple((cg.attr(n, "op"), cg.attr(n, "shape"), cg.attr(n, "dtype")) for n in nodes)
+        groups.setdefault(sig, []).append(nodes)
+    cand = set(cg.candidates)
+    classes = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for position in zip(*members):
+            if all(v in cand for v in position):
+                classes.append(list(position))
+    return classes
+
+
+def _warm_start(cg: CostGraph, budget_bytes: int, time_limit_s: float, num_workers, deterministic,
+                forced_saved, forbidden_saved, hint=None) -> set[str] | None:
+    """Solve with identical blocks tied to the same decisions; None if there are no such blocks."""
+    classes = block_classes(cg)
+    if not classes:
+        return None
+    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+    for cls in classes:
+        first = rm.saved.get(cls[0])
+        for v in cls[1:]:
+            if first is not None and v in rm.saved:
+                rm.model.add(rm.saved[v] == first)
+    if hint is not None:
+        _hint(rm, cg, hint)
+    solver = _solver(max(0.5, time_limit_s), num_workers, deterministic)
+    status = solver.solve(rm.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return {v for v, var in rm.saved.items() if solver.value(var)}
+
+
 def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
     """Hint every variable with the exact values of the plan that saves ``saved``.
 
@@ -370,8 +442,21 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
     for v, var in rm.need.items():
         if not _is_const(var):
             m.add_hint(var, 1 if (v in step_of or v in saved) else 0)
+    B = rm.num_bw_steps
+    first = {}
+    for v in reversed(list(rm.first)):  # readers come later in the forward: reverse order
+        terms = [rm.direct_first[v]] if v in rm.direct_first else []
+        for w in cg.g.successors(v):
+            if w in rm.first and w in step_of:
+                terms.append(first[w] if rm.getitem_parent.get(w) == v else step_of[w])
+        first[v] = min(terms, default=B - 1)
+    for (v, w), var in rm.xs.items():
+        at = first[w] if rm.getitem_parent.get(w) == v else step_of.get(w)
+        m.add_hint(var, at if w in step_of else B - 1)
+    for v, var in rm.first.items():
+        m.add_hint(var, first[v])
     for v, var in rm.start.items():
-        m.add_hint(var, step_of.get(v, var.proto.domain[-1]))
+        m.add_hint(var, step_of.get(v, first[v]))
     for v, a in rm.aux.items():
         if v in saved:
             last = sim.intervals[(v, "fw")][1] - F
@@ -379,7 +464,7 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
             last = sim.intervals[(v, "rc")][1] - F
         else:
             last = a["last"].proto.domain[0]
-        st = step_of.get(v, rm.start[v].proto.domain[-1])
+        st = step_of.get(v, first[v])
         m.add_hint(a["last"], last)
         m.add_hint(a["sv_size"], F + last - a["sv_start"] + 1)
         m.add_hint(a["sv_end"], F + last + 1)
@@ -419,7 +504,7 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
 def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0,
                 num_workers: int | None = None, deterministic: bool = False, minimize_peak: bool = True,
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
-                **opts) -> Plan:
+                block_reuse: bool = True, block_reuse_share: float = 0.4, **opts) -> Plan:
     """Minimise recompute cost subject to the simulated step peak <= ``budget_bytes``.
 
     Parameters
@@ -438,7 +523,12 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     minimize_peak : bool
         After the cost is found, minimise the peak among plans of that cost.
     warm_start : bool
-        Hint CP-SAT with the no-recompute plan if it fits, else with the greedy plan.
+        Hint CP-SAT with the no-recompute plan if it fits, else with the best of the heuristics and
+        (``block_reuse``) the block-uniform plan.
+    block_reuse, block_reuse_share :
+        First solve the model where identical repeated blocks (transformer layers) make the same
+        decisions, for this share of the time limit; its plan seeds the full model, which may then
+        treat each block differently. Every plan is still checked by the simulator.
     forced_saved, forbidden_saved :
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional
@@ -455,18 +545,24 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         If no plan fits; it names the smallest feasible budget.
     """
     t0 = time.perf_counter()
-    unknown = sorted(set(opts) - {"block_reuse"})
-    if unknown:
-        raise TypeError(f"solve_cpsat got unknown options {unknown}")
-    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+    if opts:
+        raise TypeError(f"solve_cpsat got unknown options {sorted(opts)}")
     all_saved = set(save_all_set(cg))
     base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
+    warm = None
     if budget_bytes is None or base_peak <= budget_bytes:
-        _hint(rm, cg, all_saved)
+        warm = all_saved
     elif warm_start:
-        warm, _ = best_heuristic_set(cg, budget_bytes)
-        if warm is not None:
-            _hint(rm, cg, warm)
+        heuristic, _ = best_heuristic_set(cg, budget_bytes)
+        warm = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
+                           deterministic, forced_saved, forbidden_saved, heuristic) \
+            if block_reuse else None
+        warm = min([w for w in (warm, heuristic) if w is not None], default=None,
+                   key=lambda w: simulate(cg, build_schedule(cg, w)).recompute_s)
+    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+    if warm is not None:
+        _hint(rm, cg, warm)
+    time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - t0))
     solver = _solver(time_limit_s, num_workers, deterministic)
     cb = _Progress(progress) if progress else None
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
@@ -475,10 +571,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
         # No plan yet: find the lowest-peak plan; it names the smallest budget, or seeds a second try.
         bound = solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0
-        min_peak, _proven, low = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
-                                                   deterministic=deterministic)
+        min_peak, proven, low = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
+                                                  deterministic=deterministic)
         if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
-            raise InfeasibleBudgetError(budget_bytes, min_peak)
+            raise InfeasibleBudgetError(budget_bytes, min_peak, proven=proven)
         rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
         _hint(rm, cg, low)
         solver = _solver(time_limit_s, num_workers, deterministic)

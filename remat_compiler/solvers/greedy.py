@@ -47,23 +47,28 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tu
     return set(build_schedule(cg, saved).saved), sim.step_peak_bytes
 
 
-def fill_saved_set(cg: CostGraph, budget_bytes: int, start) -> tuple[set[str], int]:
+def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None) -> tuple[set[str], int]:
     """Grow a fitting saved set: save more values, densest recompute saving per byte first.
 
-    Starting from ``start`` (e.g. the per-block checkpoint plan), each candidate that is recomputed is
-    tried once; it is kept saved if the simulated peak stays within the budget and the recompute cost
-    drops. Returns the saved set and its simulated peak.
+    Starting from ``start`` (e.g. the per-block checkpoint plan), each group of candidates (one
+    candidate, or the same value in every identical block) that is recomputed is tried once; it is
+    kept saved if the simulated peak stays within the budget and the recompute cost drops. Returns
+    the saved set and its simulated peak.
     """
     saved = set(start)
     sim = simulate(cg, build_schedule(cg, saved))
     if sim.step_peak_bytes > budget_bytes:
         return saved, sim.step_peak_bytes
-    order = sorted((v for v in cg.candidates if v not in saved),
-                   key=lambda v: (-cg.attr(v, "runtime_s") / cg.attr(v, "bytes"), cg.attr(v, "order")))
-    for v in order:
-        trial = saved | {v}
+    if groups is None:
+        groups = [[v] for v in cg.candidates]
+    groups = [[v for v in g if v not in saved] for g in groups]
+    order = sorted((g for g in groups if g),
+                   key=lambda g: (-cg.attr(g[0], "runtime_s") / cg.attr(g[0], "bytes"),
+                                  cg.attr(g[0], "order")))
+    for group in order:
+        trial = saved | set(group)
         schedule = build_schedule(cg, trial)
-        if v not in schedule.saved:
+        if not set(group) & set(schedule.saved):
             continue
         trial_sim = simulate(cg, schedule)
         if trial_sim.step_peak_bytes <= budget_bytes and trial_sim.recompute_s < sim.recompute_s:
@@ -78,11 +83,20 @@ def best_heuristic_set(cg: CostGraph, budget_bytes: int) -> tuple[set[str] | Non
     """
     from remat_compiler.solvers.basic import block_boundary_set
 
-    found = [greedy_saved_set(cg, budget_bytes)]
+    from remat_compiler.solvers.cpsat import block_classes
+
     try:
-        found.append(fill_saved_set(cg, budget_bytes, block_boundary_set(cg)))
+        start = block_boundary_set(cg)
     except ValueError:  # no repeated blocks
-        pass
+        start = None
+    classes = block_classes(cg) if start is not None else []
+    found = []
+    if start is not None:
+        found.append(fill_saved_set(cg, budget_bytes, start))
+        if classes:
+            found.append(fill_saved_set(cg, budget_bytes, start, groups=classes))
+    if not classes:  # the drop-greedy is slow on big graphs; repeated blocks have better seeds
+        found.append(greedy_saved_set(cg, budget_bytes))
     fitting = [(simulate(cg, build_schedule(cg, S)).recompute_s, peak, S) for S, peak in found
                if peak <= budget_bytes]
     if not fitting:
