@@ -14,6 +14,7 @@ import datetime
 import os
 
 import torch
+import torch._functorch.partitioners
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -30,7 +31,7 @@ __all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "comp
 CONFIG = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, tokens=32)
 STRATEGIES = ("save_all", "moe_origin", "moe_fast", "moe_custom")
 CPSAT_OPTIONS = dict(time_limit_s=10, num_workers=1)
-TIMEOUT_S = 60
+TIMEOUT_S = 120
 SLOW_LINK, FAST_LINK = 1.0e6, 1.0e9  # bytes/s, for the communication-cost check
 
 
@@ -146,8 +147,9 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Eager step, every strategy compiled and run, plan digests gathered; saved for the parent."""
     torch.set_num_threads(1)
     remat_compiler.api._sync_across_ranks = _leave_fake_mode(remat_compiler.api._sync_across_ranks)
-    remat_compiler.codegen._extract_fwd_bwd_modules = _drop_unused_collectives(
-        remat_compiler.codegen._extract_fwd_bwd_modules)
+    for module in (torch._functorch.partitioners, remat_compiler.codegen):  # codegen may import it late
+        if hasattr(module, "_extract_fwd_bwd_modules"):
+            module._extract_fwd_bwd_modules = _drop_unused_collectives(module._extract_fwd_bwd_modules)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:

@@ -203,7 +203,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(world, out_dir, timeout_s=120):
+def spawn_ranks(world, out_dir, timeout_s=180):
     """Start ``world`` gloo ranks; fail (never hang) if one errors or the group outlives the timeout."""
     ctx = mp.get_context("spawn")
     port = free_port()
