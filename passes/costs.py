@@ -57,6 +57,11 @@ def _tensor_bytes(x) -> int:
 
 def _flops(node: fx.Node) -> int:
     packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and "grouped_mm" in str(packet):
+        # grouped expert matmuls (aten._grouped_mm, transformers' fallback): 2 * rows * in * out
+        a, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor):
+            return int(2 * out.numel() * a.shape[-1])
     if packet is None or packet not in flop_registry:
         return 0
     args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))

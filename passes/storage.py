@@ -29,13 +29,23 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return int(t.numel() * t.element_size())
 
 
+def _returns_input(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
+        and getattr(n.target, "__name__", "").startswith("wait_tensor") and isinstance(n.args[0], fx.Node)
+
+
 def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
     """Annotate storage ownership and allocated bytes on every node of ``gm``."""
     owner: dict[StorageWeakRef, str] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         n.meta[TUPLE] = isinstance(val, (tuple, list))
-        if isinstance(val, torch.Tensor):
+        if _returns_input(n):  # wait_tensor hands back its input's storage at run time
+            src = n.args[0]
+            n.meta[STORAGE], n.meta[BYTES] = src.meta.get(STORAGE), 0
+            if isinstance(val, torch.Tensor):
+                owner.setdefault(StorageWeakRef(val.untyped_storage()), src.meta.get(STORAGE))
+        elif isinstance(val, torch.Tensor):
             key = StorageWeakRef(val.untyped_storage())
             if key in owner:
                 n.meta[STORAGE], n.meta[BYTES] = owner[key], 0

@@ -185,8 +185,11 @@ def _sync_across_ranks(planned: PlannedGraph) -> PlannedGraph:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return planned
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     payload = [planned.plan.to_json() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=0)
+    with unset_fake_temporarily():  # planning runs inside AOTAutograd's fake mode; the broadcast is real
+        dist.broadcast_object_list(payload, src=0)
     plan = Plan.from_json(payload[0])
     sim = check_plan(planned.cg, plan)
     return PlannedGraph(planned.gm, planned.cg, plan, sim)

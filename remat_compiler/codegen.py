@@ -22,15 +22,12 @@ def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     PlanCheckError
         If the extracted backward does not contain exactly the nodes the schedule runs.
     """
-    from torch._functorch.partitioners import is_not_collective
-
     by_name = {n.name: n for n in bw.graph.nodes}
     scheduled = [x for rec, b in plan.schedule.bw for x in (*rec, b)]
     scheduled_set = set(scheduled)
-    for n in reversed(list(bw.graph.nodes)):  # dead leftovers of extraction (a random op whose
-        if n.op == "call_function" and not n.users and n.name not in scheduled_set \
-                and is_not_collective(n):  # outputs are all saved) are dropped, not run
-            bw.graph.erase_node(n)
+    for n in reversed(list(bw.graph.nodes)):  # dead leftovers of extraction (a random op or the
+        if n.op == "call_function" and not n.users and n.name not in scheduled_set:
+            bw.graph.erase_node(n)  # forward's collectives whose results are saved) are not run
     body = {n.name for n in bw.graph.nodes if n.op in ("call_function", "get_attr")}
     missing = body - scheduled_set
     if missing:
@@ -52,6 +49,12 @@ def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return fx.GraphModule(bw, new)
 
 
+def _impure_unless_collective(node: fx.Node) -> bool:
+    if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+        return False
+    return node.is_impure()
+
+
 def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Partition the joint graph ``gm`` by ``plan``: return (forward, backward) GraphModules.
 
@@ -65,8 +68,9 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     saved_values = [names[x] for x in plan.schedule.bw_inputs
                     if names[x].meta.get("remat.phase") != "tangent"]
     fw, bw = _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
-    fw.graph.eliminate_dead_code()
-    bw.graph.eliminate_dead_code()
+    # fx keeps functional collectives as impure; a dead one is dead on every rank (same plan)
+    fw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
+    bw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     fw.recompile()
     bw = reorder_backward(bw, plan)
     return fw, bw

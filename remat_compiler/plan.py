@@ -108,9 +108,13 @@ class Plan:
         return sum(v.bytes for v in self.values if v.decision == "saved")
 
     def digest(self) -> str:
-        """A hash of the decisions (saved set and schedule); equal plans have equal digests."""
-        payload = json.dumps({"fp": self.fingerprint, "schedule": self.schedule.to_json()}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+        """A hash of the whole plan document (the one :meth:`to_json` writes and checks on reading)."""
+        return _document_digest(self._document())
+
+    def _document(self) -> dict:
+        d = asdict(self)
+        d["schedule"] = self.schedule.to_json()
+        return json.loads(json.dumps(d))  # JSON types (tuples become lists) before hashing
 
     # ------------------------------------------------------------------ people
     def explain(self, max_rows: int = 40) -> str:
@@ -150,9 +154,7 @@ class Plan:
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
         """The plan as a JSON document with a schema version."""
-        d = asdict(self)
-        d["schedule"] = self.schedule.to_json()
-        d = json.loads(json.dumps(d))  # JSON types (tuples become lists) before hashing
+        d = self._document()
         d["digest"] = _document_digest(d)
         d["schema_version"] = SCHEMA_VERSION
         return json.dumps(d, indent=1, sort_keys=True)

@@ -16,7 +16,8 @@ forward step ``i`` runs the i-th forward node; backward step ``F + j`` runs the 
 backward node needs and then that node; the step-level view counts a value as live from the step that
 allocates it through the step of its last use. Parameters and inputs are resident before the step
 and not counted; tangents appear at the first backward step; parameter gradients, the caller's
-outputs and a scalar loss's seed gradient stay live to the end. Memory that code outside the compiled
+outputs and the gradients autograd passes in (a scalar loss's seed; every output's gradient when the
+loss is computed outside) stay live to the end. Memory that code outside the compiled
 module allocates (a loss computed outside it) is not part of the plan.
 """
 from __future__ import annotations
@@ -251,11 +252,12 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             run(r, step, "rc")
         run(b, step, "bw")
     last_ev = clock["ev"] - 1
-    # held to the end: the caller's outputs, the gradients backward returns, and the seed gradient of
-    # a scalar loss (autograd's engine holds the gradients it passes in until backward returns; the
-    # zeros AOTAutograd makes for outputs that get no gradient are freed after their last use)
-    scalar_seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()]
-    for n in [*cg.fw_outputs, *cg.bw_outputs, *scalar_seeds]:
+    # held to the end: the caller's outputs, the gradients backward returns, and the gradients
+    # autograd's engine passes in (it holds them until backward returns). When the model returns a
+    # scalar (its loss), that seed is the only real gradient: AOTAutograd makes zeros for the other
+    # outputs and frees them after their last use. Otherwise a loss outside feeds every output.
+    seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()] or list(cg.tangents)
+    for n in [*cg.fw_outputs, *cg.bw_outputs, *seeds]:
         if n is None or cg.storage(n) is None:
             continue
         key = live.get(cg.storage(n))

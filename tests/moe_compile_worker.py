@@ -16,7 +16,6 @@ import os
 import torch
 import torch._functorch.partitioners
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import remat_compiler
 import remat_compiler.api
@@ -85,36 +84,6 @@ def compile_strategies(group, x, g) -> dict:
     return results
 
 
-def _leave_fake_mode(sync):
-    """Workaround for a core bug: ``api._sync_across_ranks`` runs inside AOTAutograd's partitioner,
-    where a FakeTensorMode is active, so its ``broadcast_object_list`` fails on fake tensors
-    (``aten._local_scalar_dense``). Run the core's own sync with fake mode unset (the proposed fix)."""
-    def synced(planned):
-        with unset_fake_temporarily():
-            return sync(planned)
-    return synced
-
-
-def _impure_unless_functional_collective(node) -> bool:
-    if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
-        return False  # a functional collective's only effect is its value
-    return node.is_impure()
-
-
-def _drop_unused_collectives(extract):
-    """Workaround for a core bug: codegen's ``eliminate_dead_code`` keeps functional collectives
-    (fx counts them impure), so the extracted backward re-runs the forward's all-to-alls and all
-    they depend on, which the schedule does not run (``reorder_backward`` raises PlanCheckError).
-    Dead-code-eliminate with collectives counted pure (the proposed fix)."""
-    def extracted(*args, **kwargs):
-        fw, bw = extract(*args, **kwargs)
-        for gm in (fw, bw):
-            gm.graph.eliminate_dead_code(is_impure_node=_impure_unless_functional_collective)
-            gm.recompile()
-        return fw, bw
-    return extracted
-
-
 def plan_figures(module) -> dict:
     """A compiled module's plan in numbers: communication, saved and peak bytes, budget."""
     cg, plan = module.planned.cg, module.plan
@@ -146,10 +115,6 @@ def origin_cost_per_link(group, x) -> dict:
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Eager step, every strategy compiled and run, plan digests gathered; saved for the parent."""
     torch.set_num_threads(1)
-    remat_compiler.api._sync_across_ranks = _leave_fake_mode(remat_compiler.api._sync_across_ranks)
-    for module in (torch._functorch.partitioners, remat_compiler.codegen):  # codegen may import it late
-        if hasattr(module, "_extract_fwd_bwd_modules"):
-            module._extract_fwd_bwd_modules = _drop_unused_collectives(module._extract_fwd_bwd_modules)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
