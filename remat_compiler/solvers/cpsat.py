@@ -513,7 +513,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     budget_bytes : int | None
         Peak bound in bytes; None returns the no-recompute plan's cost (0) with the smallest peak.
     time_limit_s : float
-        Per solve. With ``deterministic`` it is CP-SAT deterministic time (same plan every run).
+        For the whole call (warm start, cost solve, peak solve), about; an infeasible budget adds one
+        lowest-peak solve of the same length to name the smallest feasible budget. With
+        ``deterministic`` it is CP-SAT deterministic time (same plan every run).
     num_workers : int, optional
         CP-SAT workers (default 8: CP-SAT's portfolio of strategies needs several, even on few cores).
     deterministic : bool
@@ -562,8 +564,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
     if warm is not None:
         _hint(rm, cg, warm)
-    time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - t0))
-    solver = _solver(time_limit_s, num_workers, deterministic)
+    total_s = time_limit_s
+    share = 0.8 if minimize_peak else 1.0  # the rest goes to the peak-minimising second solve
+    solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
     cb = _Progress(progress) if progress else None
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
     if status == cp_model.MODEL_INVALID:
@@ -598,7 +601,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         rm2 = build_model(cg, budget_bytes, minimize="peak", max_cost=best_cost * rm.cost_gcd,
                           forced_saved=forced_saved, forbidden_saved=forbidden_saved)
         _hint(rm2, cg, saved)
-        solver2 = _solver(max(1.0, time_limit_s / 4), num_workers, deterministic)
+        left = total_s - (time.perf_counter() - t0)
+        solver2 = _solver(max(1.0, min(left, 0.25 * total_s)), num_workers, deterministic)
         status2 = solver2.solve(rm2.model)
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             saved = {v for v, var in rm2.saved.items() if solver2.value(var)}
