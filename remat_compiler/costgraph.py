@@ -180,10 +180,19 @@ class CostGraph:
 
     def preds(self, name: str) -> list[str]:
         """Inputs of a node, in joint-graph order."""
-        return sorted(self.g.predecessors(name), key=lambda n: self.g.nodes[n]["order"])
+        return self._preds[name]
+
+    @cached_property
+    def _preds(self) -> dict[str, list[str]]:
+        order = {n: a["order"] for n, a in self.g.nodes(data=True)}
+        return {n: sorted(self.g.predecessors(n), key=order.__getitem__) for n in self.g.nodes}
 
     def storage(self, name: str) -> str | None:
-        return self.g.nodes[name]["storage"]
+        return self._storage[name]
+
+    @cached_property
+    def _storage(self) -> dict[str, str | None]:
+        return {n: a["storage"] for n, a in self.g.nodes(data=True)}
 
     # ------------------------------------------------------------------ derived sets
     @cached_property

@@ -208,15 +208,18 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     sizes: dict[tuple[str, str], int] = {}
     clock = {"ev": 0}
 
+    nodes = cg.g.nodes
+    storage_of = cg._storage
+
     def alloc(owner: str, kind: str, step: int, ev: int) -> None:
         key = (owner, kind)
         intervals[key] = [step, step, ev, ev]
-        sizes[key] = cg.attr(owner, "bytes")
+        sizes[key] = nodes[owner]["bytes"]
         live[owner] = key
 
     def use(n: str, step: int, ev: int, reader: str) -> None:
-        owner = cg.storage(n)
-        if owner is None or cg.attr(owner, "phase") == "input":
+        owner = storage_of[n]
+        if owner is None or nodes[owner]["phase"] == "input":
             return
         key = live.get(owner)
         if key is None:
@@ -231,7 +234,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         order.append(n)
         for p in cg.preds(n):
             use(p, step, ev, n)
-        if cg.storage(n) == n and cg.attr(n, "bytes") > 0:
+        if storage_of[n] == n and nodes[n]["bytes"] > 0:
             alloc(n, kind, step, ev)
         clock["ev"] = ev + 1
 

@@ -485,12 +485,12 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     """The smallest budget CP-SAT can plan for: the least step-level peak of any plan (bytes), whether
     that is proven optimal, and a saved set reaching it. (Its exact node-level peak may be lower.)"""
     rm = build_model(cg, None, minimize="peak")
-    hints = [greedy_saved_set(cg, 0)]
+    hints = []
     try:
         S = block_boundary_set(cg)
         hints.append((S, simulate(cg, build_schedule(cg, S)).step_peak_bytes))
-    except ValueError:  # no repeated blocks
-        pass
+    except ValueError:  # no repeated blocks: the (slower) drop-greedy seeds the search instead
+        hints.append(greedy_saved_set(cg, 0))
     _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
     solver = _solver(time_limit_s, num_workers, deterministic)
     status = solver.solve(rm.model)

@@ -91,11 +91,11 @@ def best_heuristic_set(cg: CostGraph, budget_bytes: int) -> tuple[set[str] | Non
         start = None
     classes = block_classes(cg) if start is not None else []
     found = []
-    if start is not None:
-        found.append(fill_saved_set(cg, budget_bytes, start))
-        if classes:
-            found.append(fill_saved_set(cg, budget_bytes, start, groups=classes))
-    if not classes:  # the drop-greedy is slow on big graphs; repeated blocks have better seeds
+    if classes:  # identical blocks: fill a value in every block at once (few, cheap simulations)
+        found.append(fill_saved_set(cg, budget_bytes, start, groups=classes))
+    else:  # the per-value heuristics simulate once per candidate: fine without repeated blocks
+        if start is not None:
+            found.append(fill_saved_set(cg, budget_bytes, start))
         found.append(greedy_saved_set(cg, budget_bytes))
     fitting = [(simulate(cg, build_schedule(cg, S)).recompute_s, peak, S) for S, peak in found
                if peak <= budget_bytes]
