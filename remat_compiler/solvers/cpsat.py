@@ -372,6 +372,21 @@ def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -
     return solver
 
 
+# Plans found earlier in this process, per graph fingerprint: a sweep over budgets seeds each solve
+# with every earlier plan that fits, so a larger budget never starts from worse than a smaller one's
+# plan. Pure data (saved sets and their step peaks), bounded, never steering anything else.
+_KNOWN_PLANS: dict[str, list[tuple[frozenset, int]]] = {}
+_KNOWN_PER_GRAPH = 32
+
+
+def _remember(cg: CostGraph, saved) -> None:
+    plans = _KNOWN_PLANS.setdefault(cg.fingerprint, [])
+    plans.append((frozenset(saved), simulate(cg, build_schedule(cg, saved)).step_peak_bytes))
+    del plans[:-_KNOWN_PER_GRAPH]
+    if len(_KNOWN_PLANS) > 64:
+        _KNOWN_PLANS.pop(next(iter(_KNOWN_PLANS)))
+
+
 def block_classes(cg: CostGraph) -> list[list[str]]:
     """Candidates that correspond across identical repeated blocks: one list per position.
 
@@ -498,6 +513,11 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
     saved = [v for v, var in rm.saved.items() if solver.value(var)]
     peak = simulate(cg, build_schedule(cg, saved)).step_peak_bytes
+    known = [(p, S) for S, p in _KNOWN_PLANS.get(cg.fingerprint, ()) if p < peak]
+    if status != cp_model.OPTIMAL and known:  # an earlier solve already reached lower
+        peak, low = min(known, key=lambda k: k[0])
+        saved = sorted(low)
+    _remember(cg, saved)
     return peak, status == cp_model.OPTIMAL, saved
 
 
@@ -559,7 +579,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         warm = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
                            deterministic, forced_saved, forbidden_saved, heuristic) \
             if block_reuse else None
-        warm = min([w for w in (warm, heuristic) if w is not None], default=None,
+        known = [S for S, step_peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if step_peak <= budget_bytes]
+        warm = min([w for w in (warm, heuristic, *known) if w is not None], default=None,
                    key=lambda w: simulate(cg, build_schedule(cg, w)).recompute_s)
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
     if warm is not None:
@@ -607,6 +628,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             saved = {v for v, var in rm2.saved.items() if solver2.value(var)}
             model_peak = solver2.value(rm2.peak) * rm2.unit_bytes
+    _remember(cg, saved)
     return make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat",
                      status="optimal" if optimal else "feasible", gap=gap,
                      solve_time_s=time.perf_counter() - t0, model_peak_bytes=model_peak,
