@@ -8,7 +8,7 @@ container's path is stored in ``gm.meta["remat.block_container"]``.
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import torch.fx as fx
 

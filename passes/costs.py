@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from passes.storage import BYTES, STORAGE
+from passes.storage import STORAGE
 
 __all__ = ["CostModel", "annotate_costs", "is_collective"]
 

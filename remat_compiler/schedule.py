@@ -22,7 +22,6 @@ module allocates (a loss computed outside it) is not part of the plan.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 from remat_compiler.costgraph import CostGraph

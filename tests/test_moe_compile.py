@@ -6,12 +6,10 @@ Workloads: a residual stack of two :class:`MoELayer` (float64, see ``moe_compile
 
 from __future__ import annotations
 
-import socket
-import time
 
+import dist_spawn
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import moe_compile_worker as worker
 import remat_compiler
@@ -197,34 +195,8 @@ def test_fused_combine_mode_sets_and_restores():
 # ---------------------------------------------------------------- expert parallel (gloo)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_ranks(world, out_dir, timeout_s=180):
-    """Start ``world`` gloo ranks; fail (never hang) if one errors or the group outlives the timeout."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=worker.run_rank, args=(rank, world, port, str(out_dir)))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.is_alive() for p in procs):
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not failed, f"a rank failed with exit code {failed}"
-            assert time.monotonic() < deadline, f"{world} ranks still running after {timeout_s} s"
-            time.sleep(0.05)
-        codes = [p.exitcode for p in procs]
-        assert codes == [0] * world, f"rank exit codes {codes}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(timeout=5)
+    dist_spawn.spawn_ranks(worker.run_rank, world, out_dir, timeout_s)
 
 
 @pytest.mark.parametrize("world", [2, 4])

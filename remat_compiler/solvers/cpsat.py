@@ -23,7 +23,6 @@ peak at that cost, so a larger budget never gives a plan with a larger peak for 
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from functools import reduce
