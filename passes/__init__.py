@@ -9,7 +9,8 @@ Keys written (each documented in the pass that writes it):
 - ``remat.flops``, ``remat.runtime_s``, ``remat.comm_bytes``, ``remat.never_recompute``,
   ``remat.reason``                                                        (:mod:`passes.costs`)
 - ``remat.module``, ``remat.block``                                      (:mod:`passes.blocks`)
-- ``remat.moe``: role of a node inside an MoE segment                    (:mod:`passes.moe`)
+- ``remat.moe``: None, or ``{segment, kind, role, fused}`` for nodes inside an MoE block
+                                                                          (:mod:`passes.moe`)
 """
 from __future__ import annotations
 
