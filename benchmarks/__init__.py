@@ -1,0 +1,1 @@
+"""Benchmarks against the tools users would pick instead: ``python -m benchmarks.run`` (see run.py)."""

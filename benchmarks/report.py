@@ -1,0 +1,311 @@
+"""RESULTS.md and the Pareto pictures, from the per-workload result documents of :mod:`benchmarks.bench`.
+
+Everything here reads finished results; files are written atomically (temporary file, then
+``os.replace``), pictures with :func:`remat_compiler.viz.save_figure`.
+
+>>> text = render_results([result_gpt2, result_mixtral])        # doctest: +SKIP
+>>> plot_pareto_measured(result_gpt2, "benchmarks/pareto_gpt2.png")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import textwrap
+from typing import Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from remat_compiler.viz import note_cell, save_figure
+
+__all__ = ["TABLE_HEADER", "PEER_STRATEGIES", "atomic_write_text", "format_rows", "check_targets",
+           "render_results", "plot_pareto_measured"]
+
+MIB = float(2 ** 20)
+#: The Markdown table header every workload's table starts with.
+TABLE_HEADER = ("| workload | strategy | setting | budget (MiB) | measured peak (MiB) | predicted peak (MiB) "
+                "| measured / predicted | FLOP ratio | step-time ratio | max abs grad error "
+                "| plan / compile (s) | solver status | gap |")
+#: Issue 5's absolute targets for a full-size workload.
+ISSUE_TARGETS = {"gpt2": {"lowest_peak_mib": 45.0, "flop_target": 1.10, "flop_target_peak_mib": 60.0}}
+#: Strategies a remat_compiler point is set against (at that strategy's measured peak).
+PEER_STRATEGIES = ("eager", "checkpoint", "torch.compile", "moe_origin", "moe_fast", "moe_custom")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> str:
+    """Write ``text`` so that readers see the old file or the whole new one, never a part.
+
+    Returns
+    -------
+    str
+        The absolute path written.
+    """
+    path = os.path.abspath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _mib(n) -> str:
+    """Bytes as MiB with at least three significant digits (``218.1``, ``60.14``, ``0.283``)."""
+    if n is None:
+        return "-"
+    x = n / MIB
+    return f"{x:.1f}" if x >= 100 else f"{x:.2f}" if x >= 10 else f"{x:.3f}"
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _label(row: dict) -> str:
+    return row["strategy"] if row["setting"] in ("-", "", None) else f"{row['strategy']} {row['setting']}"
+
+
+def format_rows(rows: Sequence[dict]) -> str:
+    """The rows as a Markdown table under :data:`TABLE_HEADER`; a row without a run shows its reason
+    (a long reason as a numbered note under the table)."""
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    notes: list[str] = []
+    for r in rows:
+        if r["measured_peak_bytes"] is None:
+            cells = [r["workload"], r["strategy"], r["setting"], _mib(r["budget_bytes"]), "-", "-", "-", "-", "-",
+                     "-", "-", note_cell(f"{r['status']}: {r['note']}", notes, limit=72), "-"]
+        else:
+            pred = r["predicted_peak_bytes"]
+            ratio = "-" if not pred else f"{r['measured_peak_bytes'] / pred:.3f}"
+            status = r["status"] + (f" ({r['note']})" if r["note"] else "")
+            cells = [r["workload"], r["strategy"], r["setting"], _mib(r["budget_bytes"]),
+                     _mib(r["measured_peak_bytes"]), _mib(pred), ratio, _num(r["flop_ratio"], ".3f"),
+                     _num(r["step_ratio"], ".2f"), _num(r["max_grad_error"], ".1e"), _num(r["prepare_s"], ".1f"),
+                     status, "-" if r["gap"] is None else f"{r['gap']:.1%}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def check_targets(result: dict) -> list[str]:
+    """The issue's targets, checked on one workload's rows: one Markdown bullet each.
+
+    - at every peer's measured peak, remat_compiler's measured peak <= it with a FLOP ratio <= the peer's;
+    - monotone: a smaller budget never gives a larger measured peak;
+    - predicted peak within 5% of measured, and measured <= budget, on every remat_compiler row;
+    - the lowest measured peak, against checkpointing every block, and the best FLOP ratio at or
+      below checkpointing's peak.
+    """
+    rows = result["rows"]
+    remat = [r for r in rows if r["strategy"] == "remat_compiler"]
+    ran = [r for r in remat if r["measured_peak_bytes"] is not None]
+    out = []
+    for peer in (r for r in rows if r["strategy"] in PEER_STRATEGIES and r["measured_peak_bytes"] is not None):
+        name = _label(peer)
+        match = next((r for r in remat if r["budget_bytes"] == peer["measured_peak_bytes"]
+                      and name in r["setting"]), None)
+        if match is None:
+            out.append(f"- at {name}'s peak ({_mib(peer['measured_peak_bytes'])} MiB): no remat_compiler point")
+        elif match["measured_peak_bytes"] is None:
+            out.append(f"- at {name}'s peak ({_mib(peer['measured_peak_bytes'])} MiB): **not met**, "
+                       f"{match['status']}: {match['note']}")
+        else:
+            fits = match["measured_peak_bytes"] <= match["budget_bytes"]
+            cheaper = match["flop_ratio"] <= peer["flop_ratio"] + 1e-12
+            verdict = "met" if fits and cheaper else "**not met**"
+            out.append(f"- at {name}'s peak ({_mib(peer['measured_peak_bytes'])} MiB, FLOP ratio "
+                       f"{peer['flop_ratio']:.3f}): {verdict}, remat_compiler measured "
+                       f"{_mib(match['measured_peak_bytes'])} MiB at FLOP ratio {match['flop_ratio']:.3f}")
+    by_budget = sorted(ran, key=lambda r: r["budget_bytes"])
+    breaks = [(a, b) for a, b in zip(by_budget, by_budget[1:])
+              if a["measured_peak_bytes"] > b["measured_peak_bytes"]]
+    out.append("- monotone (smaller budget never a larger measured peak): " + (
+        "met" if not breaks else "**not met**: " + "; ".join(
+            f"budget {_mib(a['budget_bytes'])} MiB measured {_mib(a['measured_peak_bytes'])} MiB > budget "
+            f"{_mib(b['budget_bytes'])} MiB measured {_mib(b['measured_peak_bytes'])} MiB" for a, b in breaks)))
+    planned = [r for r in rows if r["predicted_peak_bytes"] and r["measured_peak_bytes"] is not None]
+    if planned:
+        worst = max(planned, key=lambda r: abs(r["measured_peak_bytes"] / r["predicted_peak_bytes"] - 1))
+        dev = worst["measured_peak_bytes"] / worst["predicted_peak_bytes"] - 1
+        out.append(f"- predicted peak within 5% of measured on every planned row: "
+                   f"{'met' if abs(dev) <= 0.05 else '**not met**'} (worst {dev:+.1%}, {_label(worst)})")
+    over = [r for r in ran if r["measured_peak_bytes"] > r["budget_bytes"]]
+    out.append("- measured peak <= budget on every remat_compiler row: " + (
+        "met" if not over else "**not met**: " + ", ".join(_label(r) for r in over)))
+    issue = ISSUE_TARGETS.get(result["workload"]) if not result.get("quick") else None
+    if issue and ran:
+        low = min(r["measured_peak_bytes"] for r in ran)
+        out.append(f"- lowest remat_compiler measured peak <= {issue['lowest_peak_mib']:g} MiB (issue target): "
+                   f"{'met' if low <= issue['lowest_peak_mib'] * MIB else '**not met**'}, {_mib(low)} MiB")
+        small = [r for r in ran if r["measured_peak_bytes"] <= issue["flop_target_peak_mib"] * MIB]
+        best = min(small, key=lambda r: r["flop_ratio"]) if small else None
+        out.append(f"- FLOP ratio <= {issue['flop_target']:.2f} at a measured peak <= "
+                   f"{issue['flop_target_peak_mib']:g} MiB (issue target): " + (
+                       "**not met**, no remat_compiler point at or below that peak" if best is None else
+                       f"{'met' if best['flop_ratio'] <= issue['flop_target'] else '**not met**'}, best "
+                       f"{best['flop_ratio']:.3f} at {_mib(best['measured_peak_bytes'])} MiB"))
+    ckpt = next((r for r in rows if r["strategy"] == "checkpoint" and r["measured_peak_bytes"]), None)
+    if ran and ckpt:
+        low = min(ran, key=lambda r: r["measured_peak_bytes"])
+        below = 1 - low["measured_peak_bytes"] / ckpt["measured_peak_bytes"]
+        out.append(f"- lowest remat_compiler measured peak: {_mib(low['measured_peak_bytes'])} MiB, "
+                   f"{abs(below):.1%} {'below' if below >= 0 else 'above'} checkpoint every block "
+                   f"({_mib(ckpt['measured_peak_bytes'])} MiB)")
+        under = [r for r in ran if r["measured_peak_bytes"] <= ckpt["measured_peak_bytes"]]
+        if under:
+            best = min(under, key=lambda r: r["flop_ratio"])
+            out.append(f"- best remat_compiler FLOP ratio at or below checkpoint every block's peak: "
+                       f"{best['flop_ratio']:.3f} ({_label(best)}; checkpoint: {ckpt['flop_ratio']:.3f})")
+        else:
+            out.append("- no remat_compiler point at or below checkpoint every block's peak")
+    return out
+
+
+def _section(result: dict) -> str:
+    mf = result["min_feasible"]
+    head = [
+        f"## {result['workload']}",
+        "",
+        f"{result['description']}. {result['world_size']} rank(s), {result['threads']} torch thread(s) per "
+        f"rank, torch {result['torch']}. Traced graph: {result['nodes']} nodes, traced and analysed in "
+        f"{result['trace_s']:.1f} s. CP-SAT: time limit {result['time_limit_s']:g} s per solve, "
+        f"{result['num_workers']} workers. Smallest "
+        f"feasible budget: {_mib(mf['bytes'])} MiB ({'proven' if mf['proven'] else 'not proven'} within "
+        f"the limit, {mf['seconds']:.1f} s). Step time: median of {result['rounds']} interleaved steps. "
+        f"Benchmark wall time: {result['runtime_s'] / 60:.1f} min. Command: `{result.get('command', '-')}`; "
+        f"code: {result.get('code_version', 'unknown')}.",
+        "",
+        format_rows(result["rows"]),
+        "",
+        f"![Pareto {result['workload']}](pareto_{result['workload']}.png)",
+        "",
+        "Targets:",
+        "",
+        *check_targets(result),
+    ]
+    return "\n".join(head)
+
+
+PREAMBLE = """# Benchmarks: remat_compiler against the tools users would pick instead
+
+Regenerate with `{command}` (options: `--workloads`, `--quick`, `--time-limit S`, `--workers N`,
+`--rounds N`, `--out DIR`); each workload's raw rows are kept in `data/<workload>.json` and this file is
+rebuilt from all of them.
+
+How every number is measured (the same code for every strategy, `benchmarks/measure.py`):
+
+- **measured peak**: the most live tensor-storage bytes during one training step (forward, loss,
+  backward, from parameter gradients set to None) above what was resident before it, tracked op by op
+  by a `TorchDispatchMode` (`remat_compiler.LiveStorageTracker`). For `torch.compile` the tracker
+  declares `ignore_compile_internals() = True`: Dynamo would otherwise skip the compiled frame and run the
+  model eagerly under an active dispatch mode; with it, the compiled `aot_eager_decomp_partition` graph
+  runs with the tracker on and every aten op of the compiled forward and backward reaches it (checked:
+  the compiled step dispatches the decomposed graph's ops, and its peak changes with the budget).
+- **predicted peak**: the remat_compiler plan's own prediction (simulator), for its rows only.
+- **FLOP ratio**: FLOPs of one step counted by `torch.utils.flop_counter.FlopCounterMode`'s registry
+  (matmul, convolution, attention) over the whole step, same `ignore_compile_internals` treatment, divided
+  by eager's. 1.000 means no recompute of counted ops.
+- **step-time ratio**: every runner's timed steps are interleaved round-robin (one step of each runner per
+  round), and the ratio is the median over rounds of the step's time over eager's time in the same
+  round, so that load on the machine (a shared 2-core CPU box whose load swings several-fold while
+  others work on it) hits all alike. Take it as indicative; FLOP ratios are exact.
+- **max abs grad error**: largest absolute difference of any parameter or input gradient from eager's.
+- **plan / compile**: remat_compiler: CP-SAT solve time (the trace is listed per workload);
+  torch.compile: first call (compile and one step); MoE strategies: their plan time.
+- **torch.compile**: PyTorch's planner, `torch.compile(model, backend="aot_eager_decomp_partition")` with
+  `torch._functorch.config.activation_memory_budget` patched (`torch._functorch.config.patch`) while each
+  module compiles; `torch._dynamo.reset()` runs once before the four settings, and each setting is its own
+  backend callable on its own model copy, so Dynamo's backend guard keeps their compiled graphs apart
+  (a compile counter shows none recompiles while measured or timed).
+- **checkpoint**: `torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)` around every
+  repeated block (GPT-2 `transformer.h[i]`, Mixtral `model.layers[i]`, MoE stack and MLP chain `layers[i]`).
+- **remat_compiler**: `remat_compiler.compile(model, budget, plan=plan)` with a CP-SAT plan for each budget:
+  every peer's measured peak (in bytes), fractions of the no-recompute plan's predicted peak, and the
+  smallest feasible budget. Status `feasible` means CP-SAT stopped at its time limit; the gap is its proven
+  relative gap on the recompute cost.
+- **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every
+  rank runs the same steps in lock step; CP-SAT plans and the smallest feasible budget are computed on rank 0
+  and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two
+  ranks' (both are noted when they differ), FLOPs are summed over ranks, and a step takes as long as the
+  slower rank. remat_compiler's codegen runs with the workaround `tests/moe_compile_worker.py` also uses
+  (functional collectives that nothing reads are dropped from its extracted forward and backward; without it
+  every plan that does not recompute the all-to-alls fails with PlanCheckError); PyTorch's planner is untouched.
+  On 2 ranks a step's measured peak can differ between ranks and between runs by a few MiB under load (alone,
+  eight repeated eager steps measure the same bytes on both ranks), most likely because a buffer of an
+  all-to-all stays alive until gloo's background work on it completes.
+
+Sizes are in MiB (2^20 bytes). Issue 5's reference figures, written "MB", are in this unit: its eager
+GPT-2 peak, 218.1, is measured here as 218.1 MiB, and checkpointing every block as 60.08 against its 60.1.
+"""
+
+
+def _scale_section(doc: dict) -> str:
+    from benchmarks.scale import format_scale
+
+    return "\n".join([
+        "## scale (plan time)", "",
+        f"{doc['description']}. {doc['threads']} torch thread(s), torch {doc['torch']}, CP-SAT with "
+        f"{doc['num_workers']} workers. Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
+        f"`{doc.get('command', '-')}`; code: {doc.get('code_version', 'unknown')}.", "",
+        format_scale(doc)])
+
+
+def render_results(results: Sequence[dict], command: str = "python -m benchmarks.run") -> str:
+    """The whole RESULTS.md: how things are measured, then one section per workload."""
+    sections = [_scale_section(r) if r.get("kind") == "plan_scale" else _section(r) for r in results]
+    return "\n\n".join([PREAMBLE.format(command=command).rstrip(), *sections]) + "\n"
+
+
+def _figure() -> Figure:
+    fig = Figure(figsize=(8.5, 5.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_pareto_measured(result: dict, path: str | os.PathLike) -> str:
+    """Measured peak (x) against FLOP ratio (y) for every strategy of one workload, on the same axes.
+
+    remat_compiler's points and PyTorch's planner's points are joined in budget order; the other
+    strategies are single markers.
+
+    Raises
+    ------
+    ValueError
+        If no row has a measured peak.
+    """
+    rows = [r for r in result["rows"] if r["measured_peak_bytes"] is not None]
+    if not rows:
+        raise ValueError(f"no measured point to draw for {result['workload']}")
+    fig = _figure()
+    ax = fig.add_subplot()
+    families = {
+        "remat_compiler": dict(marker="o", color="C0", key=lambda r: r["measured_peak_bytes"]),
+        "torch.compile": dict(marker="s", color="C3", key=lambda r: -float(r["setting"].split()[-1])),
+    }
+    for name, style in families.items():
+        pts = sorted((r for r in rows if r["strategy"] == name), key=style["key"])
+        if not pts:
+            continue
+        ax.plot([r["measured_peak_bytes"] / MIB for r in pts], [r["flop_ratio"] for r in pts],
+                marker=style["marker"], color=style["color"], linewidth=1.4, markersize=6,
+                label=name if name == "remat_compiler" else "torch.compile (activation_memory_budget)")
+        if name == "torch.compile":
+            for r in pts:
+                ax.annotate(r["setting"].split()[-1], (r["measured_peak_bytes"] / MIB, r["flop_ratio"]),
+                            textcoords="offset points", xytext=(5, -10), fontsize=8, color="C3")
+    singles = [r for r in rows if r["strategy"] not in families]
+    for i, r in enumerate(singles):
+        ax.scatter([r["measured_peak_bytes"] / MIB], [r["flop_ratio"]], s=80, zorder=4,
+                   marker="*DP^vXh"[i % 7], color=f"C{(4 + i) % 10}", label=_label(r))
+    ax.set_xlabel("measured step peak (MiB)")
+    ax.set_ylabel("FLOP ratio to no recompute")
+    ax.set_title("\n".join(textwrap.wrap(f"{result['workload']}: {result['description']}", 100)), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
