@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 from typing import Any, Callable
 
 import torch
@@ -20,7 +19,7 @@ from benchmarks.bench import BenchOptions, bench_workload
 from benchmarks.strategies import Comm
 from benchmarks.workloads import WORKLOADS
 
-__all__ = ["DistComm", "run_rank", "drop_dead_collectives_in_remat_codegen"]
+__all__ = ["DistComm", "run_rank"]
 
 
 class DistComm(Comm):
@@ -58,44 +57,10 @@ class DistComm(Comm):
         return int(t.item())
 
 
-def drop_dead_collectives_in_remat_codegen() -> None:
-    """Workaround for a core bug, the one ``tests/moe_compile_worker.py`` works around too.
-
-    remat_compiler's codegen splits the joint graph with ``torch._functorch.partitioners.
-    _extract_fwd_bwd_modules``, whose dead-code elimination keeps functional collectives (fx counts
-    them impure): the backward then re-runs the forward's all-to-alls, which the plan's schedule does
-    not, and ``reorder_backward`` raises PlanCheckError for every plan that does not recompute them.
-    The wrapper dead-code-eliminates with collectives counted pure, only when remat_compiler's codegen
-    is the caller: PyTorch's own planner (the torch.compile rows) runs unchanged.
-    """
-    import torch._functorch.partitioners as partitioners
-
-    extract = partitioners._extract_fwd_bwd_modules
-    if getattr(extract, "_drops_dead_collectives", False):
-        return
-
-    def impure(node) -> bool:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
-            return False
-        return node.is_impure()
-
-    def extracted(*args, **kwargs):
-        fw, bw = extract(*args, **kwargs)
-        if sys._getframe(1).f_globals.get("__name__") == "remat_compiler.codegen":
-            for gm in (fw, bw):
-                gm.graph.eliminate_dead_code(is_impure_node=impure)
-                gm.recompile()
-        return fw, bw
-
-    extracted._drops_dead_collectives = True
-    partitioners._extract_fwd_bwd_modules = extracted
-
-
 def run_rank(rank: int, world: int, port: int, workload: str, options: dict, out_path: str,
              timeout_s: float) -> None:
     """Join the gloo group, benchmark ``workload`` and (rank 0) write its result as JSON to ``out_path``."""
     torch.set_num_threads(1)  # one core per rank on the 2-core machine
-    drop_dead_collectives_in_remat_codegen()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

@@ -233,10 +233,7 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   rank runs the same steps in lock step; CP-SAT plans and the smallest feasible budget are computed on rank 0
   and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two
   ranks' (both are noted when they differ), FLOPs are summed over ranks, and a step takes as long as the
-  slower rank. remat_compiler's codegen runs with the workaround `tests/moe_compile_worker.py` also uses
-  (functional collectives that nothing reads are dropped from its extracted forward and backward; without it
-  every plan that does not recompute the all-to-alls fails with PlanCheckError); PyTorch's planner is untouched.
-  On 2 ranks a step's measured peak can differ between ranks and between runs by a few MiB under load (alone,
+  slower rank. On 2 ranks a step's measured peak can differ between ranks and between runs by a few MiB under load (alone,
   eight repeated eager steps measure the same bytes on both ranks), most likely because a buffer of an
   all-to-all stays alive until gloo's background work on it completes.
 
