@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from remat_compiler.compare import max_abs_error
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from remat_compiler.memory import LiveStorageTracker
@@ -178,26 +180,3 @@ def round_ratio(times: Sequence[float], reference: Sequence[float]) -> float:
     2.0
     """
     return statistics.median(t / r for t, r in zip(times, reference, strict=True))
-
-
-def max_abs_error(grads: Sequence, reference: Sequence) -> float:
-    """Largest absolute difference between two gradient lists (a missing gradient counts as zeros).
-
-    Raises
-    ------
-    ValueError
-        If the lists differ in length or a pair differs in shape (the runners' models differ).
-    """
-    if len(grads) != len(reference):
-        raise ValueError(f"{len(grads)} gradients against {len(reference)} in the reference")
-    worst = 0.0
-    for g, r in zip(grads, reference, strict=True):
-        if g is None and r is None:
-            continue
-        g = torch.zeros_like(r) if g is None else g
-        r = torch.zeros_like(g) if r is None else r
-        if g.shape != r.shape:
-            raise ValueError(f"gradient of shape {tuple(g.shape)} against {tuple(r.shape)}")
-        if g.numel():
-            worst = max(worst, (g.double() - r.double()).abs().max().item())
-    return worst

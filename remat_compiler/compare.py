@@ -31,7 +31,7 @@ from remat_compiler.sweep import options_for
 from remat_compiler.viz import format_table, note_cell
 from remat_compiler.workload import Workload
 
-__all__ = ["StrategyRun", "common_budget_bytes", "eager_reference", "run_strategy", "format_compare_table"]
+__all__ = ["max_abs_error", "StrategyRun", "common_budget_bytes", "eager_reference", "run_strategy", "format_compare_table"]
 
 
 @dataclass
@@ -107,14 +107,26 @@ def _measure(run: StrategyRun, workload: Workload, module: Callable, steps: int)
     return run
 
 
-def _max_abs_error(grads: Sequence, reference: Sequence) -> float:
+def max_abs_error(grads: Sequence, reference: Sequence) -> float:
+    """Largest absolute difference between two gradient lists (a missing gradient counts as zeros).
+
+    Raises
+    ------
+    ValueError
+        If the lists differ in length or a pair differs in shape (the runners' models differ).
+    """
+    if len(grads) != len(reference):
+        raise ValueError(f"{len(grads)} gradients against {len(reference)} in the reference")
     worst = 0.0
     for g, r in zip(grads, reference, strict=True):
         if g is None and r is None:
             continue
         g = torch.zeros_like(r) if g is None else g
         r = torch.zeros_like(g) if r is None else r
-        worst = max(worst, (g.double() - r.double()).abs().max().item() if g.numel() else 0.0)
+        if g.shape != r.shape:
+            raise ValueError(f"gradient of shape {tuple(g.shape)} against {tuple(r.shape)}")
+        if g.numel():
+            worst = max(worst, (g.double() - r.double()).abs().max().item())
     return worst
 
 
@@ -204,7 +216,7 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
         return StrategyRun(strategy, "n/a", str(exc))
     compiled = compile_model(workload.model, budget, solver=strategy, plan=planned.plan)
     run = _measure(StrategyRun(strategy, plan=planned.plan), workload, compiled, steps)
-    run.max_grad_error = _max_abs_error(run.grads, reference.grads)
+    run.max_grad_error = max_abs_error(run.grads, reference.grads)
     run.grads = []
     return run
 
