@@ -284,7 +284,7 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
         status=status,
         gap=gap,
         solve_time_s=solve_time_s,
-        model_peak_bytes=sim.step_peak_bytes if model_peak_bytes is None else model_peak_bytes,
+        model_peak_bytes=sim.peak_bytes if model_peak_bytes is None else model_peak_bytes,
         fingerprint=cg.fingerprint,
         schedule=schedule,
         values=values,

@@ -7,14 +7,19 @@ implements and this module simulates:
   forward use;
 - the backward runs its nodes in order; a forward value it needs that is neither saved nor otherwise
   available (inputs, tangents, outputs the caller holds) is recomputed *just before the first backward
-  step that needs it*, together with whatever it needs in turn (a multi-output op's used outputs are
-  taken right after it); each value is freed after its last use.
+  step that needs it*, together with whatever it needs in turn, in forward order; each value is freed
+  after its last use.
 
 Memory is counted per node: each node allocates its output while its inputs are live, and a value is
-freed right after its last reader (as fx's generated code does). Steps group nodes for the solver:
-forward step ``i`` runs the i-th forward node; backward step ``F + j`` runs the recomputations the j-th
-backward node needs and then that node; the step-level view counts a value as live from the step that
-allocates it through the step of its last use. Parameters and inputs are resident before the step
+freed right after its last reader (as fx's generated code does). Steps group nodes: forward step ``i``
+runs the i-th forward node; backward step ``F + j`` runs the recomputations the j-th backward node
+needs and then that node. Every node run also has a *time* on one integer axis, which is what the
+CP-SAT model uses: forward node ``i`` runs at time ``i``; in backward step ``j`` the recomputation of
+forward node ``i`` runs at ``F + j*K + i`` and the backward node at ``F + j*K + F`` (``K = F + 1``
+slots per step). A value is live from the time of the node that allocates it through the time of its
+last reader, so the live bytes at a node's time are exactly what the emitted code holds while that
+node runs. The step-level view (a value live from its allocating step through its last reading step)
+is kept for pictures. Parameters and inputs are resident before the step
 and not counted; tangents appear at the first backward step; parameter gradients, the caller's
 outputs and the gradients autograd passes in (a scalar loss's seed; every output's gradient when the
 loss is computed outside) stay live to the end. Memory that code outside the compiled
@@ -69,11 +74,12 @@ class Schedule:
 class SimResult:
     """The simulated memory of a schedule.
 
-    ``peak_bytes`` is the exact peak of the emitted code, node by node; ``step_peak_bytes`` the peak
-    when a backward step's recomputations all count as live through the step (>= ``peak_bytes``).
-    ``profile[t]`` is the step-level live bytes at step t (forward steps first), ``peak_step`` where
-    it peaks; ``intervals`` maps each allocated value instance ``(owner, "fw" | "rc" | "bw")`` to
-    ``(first_step, last_step, bytes)``.
+    ``peak_bytes`` is the exact peak of the emitted code, node by node, reached while ``peak_node``
+    runs, in step ``peak_step``; ``step_peak_bytes`` the peak when a backward step's recomputations
+    all count as live through the step (>= ``peak_bytes``). ``profile[t]`` is the step-level live
+    bytes at step t (forward steps first); ``intervals`` maps each allocated value instance
+    ``(owner, "fw" | "rc" | "bw")`` to ``(first_step, last_step, bytes)`` and ``times`` maps it to
+    ``(first_time, last_time)`` on the node-level time axis (see the module docstring).
     """
 
     peak_bytes: int
@@ -86,6 +92,17 @@ class SimResult:
     recompute_flops: int
     recompute_comm_bytes: int
     events: list[tuple[str, int]] = field(default_factory=list)  # (node run, live bytes while it runs)
+    times: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    peak_node: str | None = None
+    peak_time: int = 0
+
+    def live_at(self, time: int) -> list[tuple[str, str]]:
+        """The value instances live at a node-level time (e.g. ``peak_time``)."""
+        return [k for k, (a, z) in self.times.items() if a <= time <= z]
+
+    def load_at(self, time: int) -> int:
+        """Live bytes at a node-level time."""
+        return sum(self.intervals[k][2] for k in self.live_at(time))
 
 
 def _is_getitem(cg: CostGraph, n: str) -> bool:
@@ -129,32 +146,26 @@ def build_schedule(cg: CostGraph, saved) -> Schedule:
         recompute.add(n)
         stack.extend(cg.preds(n))
 
+    # Each backward step recomputes what it needs and nothing earlier steps already made, in forward
+    # order (a topological order; it is also the order the CP-SAT model's times assume).
+    fw_index = cg.fw_index
     emitted: set[str] = set()
     order: list[str] = []
-
-    def emit(n: str, out: list[str]) -> None:
-        work = [(n, False)]
-        while work:
-            cur, expanded = work.pop()
-            if cur in emitted or cur not in recompute:
-                continue
-            if not expanded:
-                work.append((cur, True))
-                work.extend((p, False) for p in reversed(cg.preds(cur)))
-                continue
-            emitted.add(cur)
-            out.append(cur)
-            if cg.attr(cur, "is_tuple"):
-                for u in sorted(cg.g.successors(cur), key=lambda x: cg.attr(x, "order")):
-                    if u in recompute and _is_getitem(cg, u) and u not in emitted:
-                        emitted.add(u)
-                        out.append(u)
-
     bw_steps = []
     for b in cg.bw_order:
         rec: list[str] = []
-        for p in cg.preds(b):
-            emit(p, rec)
+        stack = [p for p in cg.preds(b) if p in recompute and p not in emitted]
+        while stack:
+            cur = stack.pop()
+            if cur in emitted:
+                continue
+            emitted.add(cur)
+            rec.append(cur)
+            stack.extend(p for p in cg.preds(cur) if p in recompute and p not in emitted)
+            if cg.attr(cur, "is_tuple"):  # a multi-output op's used outputs come with it
+                stack.extend(u for u in cg.g.successors(cur)
+                             if u in recompute and _is_getitem(cg, u) and u not in emitted)
+        rec.sort(key=fw_index.__getitem__)
         bw_steps.append((rec, b))
         order.extend(rec)
 
@@ -185,9 +196,9 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
 
     Two peaks come out. ``peak_bytes`` is exact for the emitted code: every node, recomputed or not,
     allocates its output while its inputs are live, and each value is freed right after its last
-    reader. ``step_peak_bytes`` counts everything a backward step recomputes as live through that whole
-    step; it is never below ``peak_bytes`` and is what the CP-SAT model bounds (see
-    :mod:`remat_compiler.solvers.cpsat`).
+    reader; it is what the solvers bound (the CP-SAT model reproduces it on the same time axis, see
+    :mod:`remat_compiler.solvers.cpsat`). ``step_peak_bytes`` counts everything a backward step
+    recomputes as live through that whole step (never below ``peak_bytes``; for pictures).
 
     Returns
     -------
@@ -200,23 +211,27 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     """
     F = len(schedule.fw)
     end = F + len(schedule.bw) - 1
+    K = F + 1
+    last_time = F + len(schedule.bw) * K - 1
+    fw_index = cg.fw_index
     recomputed = set(schedule.recomputed)
     saved = set(schedule.saved)
     live: dict[str, tuple[str, str]] = {}          # storage owner -> current instance key
-    intervals: dict[tuple[str, str], list[int]] = {}  # key -> [first step, last step, first ev, last ev]
+    # key -> [first step, last step, first event, last event, first time, last time]
+    intervals: dict[tuple[str, str], list[int]] = {}
     sizes: dict[tuple[str, str], int] = {}
     clock = {"ev": 0}
 
     nodes = cg.g.nodes
     storage_of = cg._storage
 
-    def alloc(owner: str, kind: str, step: int, ev: int) -> None:
+    def alloc(owner: str, kind: str, step: int, ev: int, time: int) -> None:
         key = (owner, kind)
-        intervals[key] = [step, step, ev, ev]
+        intervals[key] = [step, step, ev, ev, time, time]
         sizes[key] = nodes[owner]["bytes"]
         live[owner] = key
 
-    def use(n: str, step: int, ev: int, reader: str) -> None:
+    def use(n: str, step: int, ev: int, time: int, reader: str) -> None:
         owner = storage_of[n]
         if owner is None or nodes[owner]["phase"] == "input":
             return
@@ -224,28 +239,38 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         if key is None:
             raise PlanCheckError(f"{reader} at step {step} reads {n} (storage {owner}) before it exists")
         iv = intervals[key]
-        iv[1], iv[3] = max(iv[1], step), max(iv[3], ev)
+        iv[1], iv[3], iv[5] = max(iv[1], step), max(iv[3], ev), max(iv[5], time)
 
     order: list[str] = []
 
     def run(n: str, step: int, kind: str) -> None:
         ev = clock["ev"]
+        if kind == "fw":
+            time = step
+        else:
+            time = F + (step - F) * K + (fw_index[n] if kind == "rc" else F)
         order.append(n)
+        times.append(time)
         for p in cg.preds(n):
-            use(p, step, ev, n)
+            use(p, step, ev, time, n)
         if storage_of[n] == n and nodes[n]["bytes"] > 0:
-            alloc(n, kind, step, ev)
+            alloc(n, kind, step, ev, time)
         clock["ev"] = ev + 1
 
+    times: list[int] = []
     for i, n in enumerate(schedule.fw):
         run(n, i, "fw")
+    # The forward's outputs live until it returns, whatever the caller does with them then.
+    for o in cg.fw_outputs:
+        if o is not None:
+            use(o, F - 1, clock["ev"] - 1, F - 1, "the forward's output")
     # After the forward: what backward can no longer read is dead.
     for owner in list(live):
         if owner not in saved and owner not in cg.held_storages:
             del live[owner]
     for t in cg.tangents:
         if cg.attr(t, "bytes") > 0:
-            alloc(t, "bw", F, clock["ev"])
+            alloc(t, "bw", F, clock["ev"], F)  # from the start of backward, before any recompute
     for j, (rec, b) in enumerate(schedule.bw):
         step = F + j
         for r in rec:
@@ -254,25 +279,32 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             run(r, step, "rc")
         run(b, step, "bw")
     last_ev = clock["ev"] - 1
-    # held to the end: the caller's outputs, the gradients backward returns, and the gradients
+    # held to the end: the caller's outputs (unless it drops them), the gradients backward returns, and the gradients
     # autograd's engine passes in (it holds them until backward returns). When the model returns a
     # scalar (its loss), that seed is the only real gradient: AOTAutograd makes zeros for the other
     # outputs and frees them after their last use. Otherwise a loss outside feeds every output.
     seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()] or list(cg.tangents)
-    for n in [*cg.fw_outputs, *cg.bw_outputs, *seeds]:
+    held = [o for o in cg.fw_outputs if o is not None and cg.storage(o) in cg.held_storages]
+    for n in [*held, *cg.bw_outputs, *seeds]:
         if n is None or cg.storage(n) is None:
             continue
         key = live.get(cg.storage(n))
         if key is not None:
-            intervals[key][1], intervals[key][3] = end, last_ev
+            intervals[key][1], intervals[key][3], intervals[key][5] = end, last_ev, last_time
 
     profile = _sweep(((iv[0], iv[1], sizes[k]) for k, iv in intervals.items()), end + 1)
     events = _sweep(((iv[2], iv[3], sizes[k]) for k, iv in intervals.items()), last_ev + 1)
     step_peak = max(profile) if profile else 0
+    peak = max(events) if events else 0
+    peak_ev = events.index(peak) if events else 0
+    peak_time = times[peak_ev] if times else 0
     return SimResult(
-        peak_bytes=max(events) if events else 0,
+        peak_bytes=peak,
         step_peak_bytes=step_peak,
-        peak_step=profile.index(step_peak) if profile else 0,
+        peak_step=peak_time if peak_time < F else F + (peak_time - F) // K,
+        peak_node=order[peak_ev] if order else None,
+        peak_time=peak_time,
+        times={k: (v[4], v[5]) for k, v in intervals.items()},
         profile=profile,
         intervals={k: (v[0], v[1], sizes[k]) for k, v in intervals.items()},
         num_fw_steps=F,

@@ -1,27 +1,32 @@
-"""The main solver: OR-Tools CP-SAT over save/recompute decisions, bounded by the step's simulated peak.
+"""The main solver: OR-Tools CP-SAT over save/recompute decisions, bounded by the simulated peak.
 
-Model (Moccasin-style, O(nodes + edges) variables), on one time axis: forward steps ``0..F-1``, then
-backward steps ``F..F+B-1`` (the simulator's steps, see :mod:`remat_compiler.schedule`):
+Model (Moccasin-style, O(nodes + edges) variables). Steps: forward steps ``0..F-1``, one per forward
+node, then backward steps ``0..B-1``, one per backward node (the simulator's steps, see
+:mod:`remat_compiler.schedule`). Memory lives on the simulator's node-level time axis: forward node
+``i`` at time ``i``; in backward step ``j``, a recomputation of forward node ``i`` at
+``F + j*K + i`` and the backward node at ``F + j*K + F`` (``K = F + 1``).
 
 - ``s[v]`` (candidates only): v is saved from the forward;
 - ``r[v]``: v is recomputed in backward (0 for random / mutating ops); ``n[v]``: backward needs v,
   directly or because something recomputed reads it; ``r[v] >= n[v] - s[v]``, ``s[v] <= n[v]``;
-- ``st[v]``: backward step where v is recomputed, at or before each step that needs it (a
-  multi-output op's outputs are taken at its own step); ``last[v]``: last backward step that reads
-  v's storage (directly, through a view, or by a recomputation);
+- ``st[v]``: backward step where v is recomputed, the first step that needs it (a multi-output op's
+  outputs are taken at its own step); ``last[v]``: time of the last node that reads v's storage
+  (a backward node, directly or through a view, or a recomputation);
 - memory: one ``add_cumulative`` over every value's live interval. A candidate's forward interval is
-  fixed; saving it adds the optional interval ``[end of forward use, F + last[v]]``; recomputing it adds
-  ``[F + st[v], F + last[v]]``. Everything the plan does not change (tangents, backward values,
+  fixed; saving it adds the optional interval ``[end of forward use + 1, last[v]]``; recomputing it
+  adds ``[F + st[v]*K + i, last[v]]``. Everything the plan does not change (tangents, backward values,
   outputs) enters as fixed intervals. Its capacity is the peak variable, at most the budget.
 
-The constraints only ever over-estimate what the simulator computes for the same saved set (an earlier
-start, a later end) and are exact at the tightest assignment, so the optimum equals the best plan the
-simulator accepts, and every plan found fits when simulated. Objective: minimise the recompute cost
-(roofline runtime in integer nanoseconds, communication included); a second solve then minimises the
-peak at that cost, so a larger budget never gives a plan with a larger peak for nothing.
+The cumulative's load at a node's time is what the emitted code holds while that node runs (each node
+allocates its output while its inputs are live; values are freed after their last reader), so the
+optimum is the best plan by the simulator's exact peak. ``last`` is only bounded below (a later end is
+allowed and never helps), so every plan found fits when simulated. Objective: minimise the recompute
+cost (roofline runtime in integer nanoseconds, communication included); a second solve then minimises
+the peak at that cost, so a larger budget never gives a plan with a larger peak for nothing.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -87,6 +92,9 @@ def _storage_readers(cg: CostGraph):
                 continue
             fw_reads[o] = max(fw_reads.get(o, -1), i)
             rc_readers.setdefault(o, set()).add(u)
+    for o in cg.fw_outputs:  # the forward's outputs live until it returns
+        if o is not None and cg.storage(o) is not None:
+            fw_reads[cg.storage(o)] = F - 1
     for j, b in enumerate(cg.bw_order):
         for p in cg.preds(b):
             o = cg.storage(p)
@@ -97,8 +105,7 @@ def _storage_readers(cg: CostGraph):
 
 
 def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cost",
-                max_cost: int | None = None, forced_saved=(), forbidden_saved=(),
-                exact: bool = True) -> RematModel:
+                max_cost: int | None = None, forced_saved=(), forbidden_saved=()) -> RematModel:
     """Build the CP-SAT model of a CostGraph.
 
     Parameters
@@ -112,23 +119,17 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         Upper bound on the recompute cost (for the second, peak-minimising solve).
     forced_saved, forbidden_saved : iterables of candidate names
         Hard constraints from user policies (``save_only``, ``never_save``...).
-    exact : bool
-        True: recompute start and last-use times are variables (the exact model). False: each value's
-        saved and recomputed intervals are fixed to the widest they can be (a conservative model with
-        fixed-size optional intervals: much easier for CP-SAT, every plan it finds fits, but it may
-        miss plans that fit only tightly). The solver uses it as a warm start for the exact model.
     """
     m = cp_model.CpModel()
     F, fw_reads, bw_reads, rc_readers = _storage_readers(cg)
     B = len(cg.bw_order)
     cands = cg.candidates
     cand_set = set(cands)
-    horizon = F + B
 
     # Fixed intervals: everything whose life the plan does not change, from the save-all simulation.
     base = simulate(cg, build_schedule(cg, save_all_set(cg)))
-    fixed = [(a, z, size) for (owner, _kind), (a, z, size) in base.intervals.items()
-             if owner not in cand_set and size > 0]
+    fixed = [(*base.times[key], size) for key, (_a, _z, size) in base.intervals.items()
+             if key[0] not in cand_set and size > 0]
     sizes = [cg.attr(c, "bytes") for c in cg.fw_order if cg.storage(c) == c] + [s for _, _, s in fixed]
     unit = reduce(math.gcd, [s for s in sizes if s > 0], 0) or 1
 
@@ -198,60 +199,57 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         else:
             m.add(st[v] == first[v])
 
-    # memory
+    # memory, on the simulator's node-level time axis: forward node i at time i; in backward step j,
+    # the recomputation of forward node i at F + j*K + i and the backward node at F + j*K + F.
+    K = F + 1
+    t_end = F + B * K - 1
+    idx = cg.fw_index
     intervals, demands = [], []
     aux: dict[str, dict] = {}
     for (a, z, size) in fixed:
         intervals.append(m.new_fixed_size_interval_var(a, z - a + 1, f"fix_{a}_{z}"))
         demands.append(size // unit)
-    if not exact:
-        earliest, latest = _conservative_times(cg, M, direct_first, bw_reads, rc_readers, B)
     for v in cands:
         size = cg.attr(v, "bytes") // unit
-        a = cg.fw_index[v]
+        a = idx[v]
         e = max(fw_reads.get(v, a), a)
         intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
         demands.append(size)
         if v not in in_m:
             continue
-        if not exact:
-            lo, hi = earliest[v], latest[v]
-            intervals.append(m.new_optional_fixed_size_interval_var(e + 1, F + hi - e, s[v], f"sv_{v}"))
-            intervals.append(m.new_optional_fixed_size_interval_var(F + lo, hi - lo + 1, r[v], f"rc_{v}"))
-            demands += [size, size]
-            continue
         lo = bw_reads.get(v, -1)
-        last = m.new_int_var(max(lo, 0), B - 1, f"last_{v}")
+        last = m.new_int_var(F + lo * K + F if lo >= 0 else F, t_end, f"last_{v}")
         for u in rc_readers.get(v, ()):
             if u in in_m and u != v:
-                m.add(last >= st[u]).only_enforce_if(r[u])
-        m.add(last >= st[v]).only_enforce_if(r[v])
+                m.add(last >= F + idx[u] + K * st[u]).only_enforce_if(r[u])
+        rc_start = m.new_int_var(F + idx[v], F + idx[v] + K * (B - 1), f"rcs_{v}")
+        m.add(rc_start == F + idx[v] + K * st[v])
+        m.add(last >= rc_start).only_enforce_if(r[v])
         aux[v] = {"last": last}
-        # saved: [e+1, F+last]
+        # saved: [e+1, last]
         sv_start = e + 1
-        sv_size = m.new_int_var(0, horizon, f"svsz_{v}")
-        m.add(sv_size == F + last - sv_start + 1)
-        sv_end = m.new_int_var(0, horizon + 1, f"svend_{v}")
+        sv_size = m.new_int_var(0, t_end + 1, f"svsz_{v}")
+        m.add(sv_size == last - sv_start + 1)
+        sv_end = m.new_int_var(0, t_end + 2, f"svend_{v}")
         intervals.append(m.new_optional_interval_var(sv_start, sv_size, sv_end, s[v], f"sv_{v}"))
         aux[v].update(sv_size=sv_size, sv_end=sv_end, sv_start=sv_start)
         demands.append(size)
-        # recomputed: [F+st, F+last]
-        rc_start = m.new_int_var(F, F + B - 1, f"rcs_{v}")
-        m.add(rc_start == F + st[v])
-        rc_size = m.new_int_var(1, B, f"rcsz_{v}")
-        m.add(rc_size == last - st[v] + 1).only_enforce_if(r[v])
-        rc_end = m.new_int_var(F, horizon + 1, f"rce_{v}")
+        # recomputed: [rc_start, last]
+        rc_size = m.new_int_var(1, t_end + 1, f"rcsz_{v}")
+        m.add(rc_size == last - rc_start + 1).only_enforce_if(r[v])
+        rc_end = m.new_int_var(F, t_end + 2, f"rce_{v}")
         intervals.append(m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}"))
         aux[v].update(rc_start=rc_start, rc_size=rc_size, rc_end=rc_end)
         demands.append(size)
 
     for v in M:  # a recomputed multi-output op's untaken outputs, live while its getitems are taken
         if cg.attr(v, "is_tuple") and cg.attr(v, "bytes") > 0 and v not in cand_set:
-            start = m.new_int_var(F, F + B - 1, f"tups_{v}")
-            m.add(start == F + st[v])
-            intervals.append(m.new_optional_fixed_size_interval_var(start, 1, r[v], f"tup_{v}"))
+            span = max([idx[u] for u in cg.g.successors(v) if u in in_m], default=idx[v]) - idx[v] + 1
+            start = m.new_int_var(F + idx[v], F + idx[v] + K * (B - 1), f"tups_{v}")
+            m.add(start == F + idx[v] + K * st[v])
+            intervals.append(m.new_optional_fixed_size_interval_var(start, span, r[v], f"tup_{v}"))
             demands.append(cg.attr(v, "bytes") // unit)
-    fixed_peak = max(base.profile) if base.profile else 0
+    fixed_peak = base.peak_bytes
     cap_hi = sum(demands) + 1
     peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
     peak = m.new_int_var(0, max(peak_hi, 0), "peak")
@@ -275,47 +273,25 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
                       direct_first=direct_first, getitem_parent=getitem_parent)
 
 
-def _conservative_times(cg: CostGraph, M: list[str], direct_first: dict[str, int],
-                        bw_reads: dict[str, int], rc_readers: dict[str, set[str]], B: int):
-    """Earliest possible recompute step and latest possible last read of each model node."""
-    in_m = set(M)
-    earliest: dict[str, int] = {}
-    latest_need: dict[str, int] = {}
-    for v in reversed(M):
-        readers = [u for u in cg.g.successors(v) if u in in_m]
-        e = min([earliest[u] for u in readers], default=B - 1)
-        ln = max([latest_need[u] for u in readers], default=0)
-        if v in direct_first:
-            e = min(e, direct_first[v])
-            ln = direct_first[v]
-        earliest[v], latest_need[v] = e, ln
-    for v in M:  # a multi-output op's outputs are taken at the op's own step
-        if cg.attr(v, "op") == "getitem" and cg.preds(v)[0] in in_m:
-            earliest[v] = min(earliest[v], earliest[cg.preds(v)[0]])
-    latest: dict[str, int] = {}
-    for v in M:
-        hi = max(bw_reads.get(v, 0), latest_need[v])
-        for u in rc_readers.get(v, ()):
-            if u in in_m:
-                hi = max(hi, latest_need[u])
-        latest[v] = max(hi, earliest[v])
-    return earliest, latest
-
-
 def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s) -> None:
-    """Redundant linear constraints, one per step: memory that is live whatever else the plan does.
+    """Redundant linear constraints, one per forward node and per backward node: memory that is live
+    at that node's time whatever else the plan does.
 
-    The cumulative alone gives CP-SAT no useful LP bound. At forward step t a candidate is certainly
-    live while the forward still reads it, and afterwards exactly when saved; at backward step t it is
+    The cumulative alone gives CP-SAT no useful LP bound. At forward node t a candidate is certainly
+    live while the forward still reads it, and afterwards exactly when saved; at backward node j it is
     certainly live between its first and last direct backward read (saved or recomputed, backward
     needs it there), and before that whenever it is saved. Both are lower bounds of the cumulative's
-    load, so adding them removes no plan.
+    load at those times, so adding them removes no plan.
     """
-    T = F + B
+    K = F + 1
+    points = list(range(F)) + [F + j * K + F for j in range(B)]  # sorted times of fw and bw nodes
+    T = len(points)
     fixed_prof = [0] * (T + 1)
     for a, z, size in fixed:
-        fixed_prof[a] += size // unit
-        fixed_prof[z + 1] -= size // unit
+        lo, hi = bisect.bisect_left(points, a), bisect.bisect_right(points, z)
+        if lo < hi:
+            fixed_prof[lo] += size // unit
+            fixed_prof[hi] -= size // unit
     for t in range(1, T + 1):
         fixed_prof[t] += fixed_prof[t - 1]
     const = list(fixed_prof[:T])
@@ -373,14 +349,14 @@ def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -
 
 # Plans found earlier in this process, per graph fingerprint: a sweep over budgets seeds each solve
 # with every earlier plan that fits, so a larger budget never starts from worse than a smaller one's
-# plan. Pure data (saved sets and their step peaks), bounded, never steering anything else.
+# plan. Pure data (saved sets and their peaks), bounded, never steering anything else.
 _KNOWN_PLANS: dict[str, list[tuple[frozenset, int]]] = {}
 _KNOWN_PER_GRAPH = 32
 
 
 def _remember(cg: CostGraph, saved) -> None:
     plans = _KNOWN_PLANS.setdefault(cg.fingerprint, [])
-    plans.append((frozenset(saved), simulate(cg, build_schedule(cg, saved)).step_peak_bytes))
+    plans.append((frozenset(saved), simulate(cg, build_schedule(cg, saved)).peak_bytes))
     del plans[:-_KNOWN_PER_GRAPH]
     if len(_KNOWN_PLANS) > 64:
         _KNOWN_PLANS.pop(next(iter(_KNOWN_PLANS)))
@@ -471,22 +447,25 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
         m.add_hint(var, first[v])
     for v, var in rm.start.items():
         m.add_hint(var, step_of.get(v, first[v]))
+    K = F + 1
+    idx = cg.fw_index
     for v, a in rm.aux.items():
-        if v in saved:
-            last = sim.intervals[(v, "fw")][1] - F
-        elif v in step_of:
-            last = sim.intervals[(v, "rc")][1] - F
-        else:
-            last = a["last"].proto.domain[0]
         st = step_of.get(v, first[v])
+        rc_start = F + idx[v] + K * st
+        if v in saved:
+            last = sim.times[(v, "fw")][1]
+        elif v in step_of:
+            last = sim.times[(v, "rc")][1]
+        else:
+            last = max(a["last"].proto.domain[0], rc_start)
         m.add_hint(a["last"], last)
-        m.add_hint(a["sv_size"], F + last - a["sv_start"] + 1)
-        m.add_hint(a["sv_end"], F + last + 1)
-        m.add_hint(a["rc_start"], F + st)
-        size = last - st + 1 if v in step_of else 1
+        m.add_hint(a["sv_size"], last - a["sv_start"] + 1)
+        m.add_hint(a["sv_end"], last + 1)
+        m.add_hint(a["rc_start"], rc_start)
+        size = last - rc_start + 1 if v in step_of else 1
         m.add_hint(a["rc_size"], size)
-        m.add_hint(a["rc_end"], F + st + size)
-    m.add_hint(rm.peak, -(-sim.step_peak_bytes // rm.unit_bytes))
+        m.add_hint(a["rc_end"], rc_start + size)
+    m.add_hint(rm.peak, -(-sim.peak_bytes // rm.unit_bytes))
 
 
 def _is_const(var) -> bool:
@@ -496,13 +475,13 @@ def _is_const(var) -> bool:
 
 def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers: int | None = None,
                       deterministic: bool = False) -> tuple[int, bool, list[str]]:
-    """The smallest budget CP-SAT can plan for: the least step-level peak of any plan (bytes), whether
-    that is proven optimal, and a saved set reaching it. (Its exact node-level peak may be lower.)"""
+    """The smallest feasible budget: the least peak of any plan (bytes), whether that is proven
+    optimal, and a saved set reaching it."""
     rm = build_model(cg, None, minimize="peak")
     hints = []
     try:
         S = block_boundary_set(cg)
-        hints.append((S, simulate(cg, build_schedule(cg, S)).step_peak_bytes))
+        hints.append((S, simulate(cg, build_schedule(cg, S)).peak_bytes))
     except ValueError:  # no repeated blocks: the (slower) drop-greedy seeds the search instead
         hints.append(greedy_saved_set(cg, 0))
     _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
@@ -511,7 +490,7 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
     saved = [v for v, var in rm.saved.items() if solver.value(var)]
-    peak = simulate(cg, build_schedule(cg, saved)).step_peak_bytes
+    peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
     known = [(p, S) for S, p in _KNOWN_PLANS.get(cg.fingerprint, ()) if p < peak]
     if status != cp_model.OPTIMAL and known:  # an earlier solve already reached lower
         peak, low = min(known, key=lambda k: k[0])
@@ -524,7 +503,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                 num_workers: int | None = None, deterministic: bool = False, minimize_peak: bool = True,
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
                 block_reuse: bool = True, block_reuse_share: float = 0.4, **opts) -> Plan:
-    """Minimise recompute cost subject to the simulated step peak <= ``budget_bytes``.
+    """Minimise recompute cost subject to the simulated peak <= ``budget_bytes``.
 
     Parameters
     ----------
@@ -578,7 +557,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         warm = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
                            deterministic, forced_saved, forbidden_saved, heuristic) \
             if block_reuse else None
-        known = [S for S, step_peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if step_peak <= budget_bytes]
+        known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
         warm = min([w for w in (warm, heuristic, *known) if w is not None], default=None,
                    key=lambda w: simulate(cg, build_schedule(cg, w)).recompute_s)
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
@@ -608,7 +587,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
             return make_plan(cg, low, budget_bytes=budget_bytes, solver="cpsat", status="feasible",
                              gap=0.0 if cost == 0 else max(0.0, 1 - bound * rm.cost_gcd / cost),
                              solve_time_s=time.perf_counter() - t0,
-                             model_peak_bytes=simulate(cg, schedule).step_peak_bytes,
+                             model_peak_bytes=simulate(cg, schedule).peak_bytes,
                              baseline_peak_bytes=base_peak,
                              extras={"cost_units": cost, "cost_bound_units": bound * rm.cost_gcd})
     saved = {v for v, var in rm.saved.items() if solver.value(var)}

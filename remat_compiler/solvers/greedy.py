@@ -20,23 +20,23 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tu
 
     Each round looks at the saved values live at the current peak step, tries dropping the ``width``
     cheapest per byte, and keeps the drop with the smallest marginal recompute cost (the whole
-    recompute chain it causes, from the simulator) per byte removed at that step.
+    recompute chain it causes, from the simulator) per byte the peak goes down.
 
     Returns the saved set and its simulated peak (above the budget if greedy got stuck).
     """
     saved = set(save_all_set(cg))
     sim = simulate(cg, build_schedule(cg, saved))
-    while sim.step_peak_bytes > budget_bytes:
-        t = sim.peak_step
+    while sim.peak_bytes > budget_bytes:
+        t = sim.peak_time
         live = [v for v in saved if not cg.attr(v, "never_recompute")
-                and sim.intervals[(v, "fw")][0] <= t <= sim.intervals[(v, "fw")][1]]
+                and sim.times[(v, "fw")][0] <= t <= sim.times[(v, "fw")][1]]
         live.sort(key=lambda v: (cg.attr(v, "runtime_s") / cg.attr(v, "bytes"), cg.attr(v, "order")))
         best = None
         for v in live[:width]:
             trial = saved - {v}
             trial_sim = simulate(cg, build_schedule(cg, trial))
-            freed = sim.profile[t] - trial_sim.profile[t]
-            if freed <= 0 or trial_sim.step_peak_bytes > sim.step_peak_bytes:
+            freed = sim.load_at(t) - trial_sim.load_at(t)
+            if freed <= 0 or trial_sim.peak_bytes > sim.peak_bytes:
                 continue
             score = (trial_sim.recompute_s - sim.recompute_s) / freed
             if best is None or score < best[0]:
@@ -44,7 +44,7 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tu
         if best is None:
             break
         saved, sim = best[1], best[2]
-    return set(build_schedule(cg, saved).saved), sim.step_peak_bytes
+    return set(build_schedule(cg, saved).saved), sim.peak_bytes
 
 
 def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None) -> tuple[set[str], int]:
@@ -57,8 +57,8 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None) -> tupl
     """
     saved = set(start)
     sim = simulate(cg, build_schedule(cg, saved))
-    if sim.step_peak_bytes > budget_bytes:
-        return saved, sim.step_peak_bytes
+    if sim.peak_bytes > budget_bytes:
+        return saved, sim.peak_bytes
     if groups is None:
         groups = [[v] for v in cg.candidates]
     groups = [[v for v in g if v not in saved] for g in groups]
@@ -71,9 +71,9 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None) -> tupl
         if not set(group) & set(schedule.saved):
             continue
         trial_sim = simulate(cg, schedule)
-        if trial_sim.step_peak_bytes <= budget_bytes and trial_sim.recompute_s < sim.recompute_s:
+        if trial_sim.peak_bytes <= budget_bytes and trial_sim.recompute_s < sim.recompute_s:
             saved, sim = set(schedule.saved), trial_sim
-    return saved, sim.step_peak_bytes
+    return saved, sim.peak_bytes
 
 
 def best_heuristic_set(cg: CostGraph, budget_bytes: int) -> tuple[set[str] | None, int]:
