@@ -53,12 +53,14 @@ def prepared(model: torch.nn.Module, solver) -> contextlib.AbstractContextManage
 
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-            cost_model: CostModel | None = None, solver="cpsat") -> tuple[fx.GraphModule, CostGraph]:
-    """Trace and annotate a model's step: the first three pipeline steps."""
+            cost_model: CostModel | None = None, solver="cpsat",
+            hold_outputs: bool = True) -> tuple[fx.GraphModule, CostGraph]:
+    """Trace and annotate a model's step: the first three pipeline steps (``hold_outputs``: see
+    :func:`compile`)."""
     with prepared(model, solver):
         traced = trace(model, args, kwargs)
     gm = run_passes(traced.joint, num_fwd_outputs=traced.num_fwd_outputs, cost_model=cost_model)
-    return gm, CostGraph.from_graph_module(gm)
+    return gm, CostGraph.from_graph_module(gm, hold_outputs=hold_outputs)
 
 
 def plan_graph(gm: fx.GraphModule, cg: CostGraph, memory_budget=None, *,
@@ -71,7 +73,7 @@ def plan_graph(gm: fx.GraphModule, cg: CostGraph, memory_budget=None, *,
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, memory_budget=None, *,
                solver: str | Callable[..., Plan] = "cpsat", cost_model: CostModel | None = None,
-               **solver_options) -> PlannedGraph:
+               hold_outputs: bool = True, **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
@@ -94,7 +96,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     """
     parse_budget(memory_budget)
     get_solver(solver)
-    gm, cg = analyze(model, args, kwargs, cost_model=cost_model, solver=solver)
+    gm, cg = analyze(model, args, kwargs, cost_model=cost_model, solver=solver, hold_outputs=hold_outputs)
     return plan_graph(gm, cg, memory_budget, solver=solver, **solver_options)
 
 
@@ -117,8 +119,9 @@ class CompiledModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, budget: Budget, solver, cost_model: CostModel | None,
-                 plan: Plan | None, solver_options: dict):
+                 plan: Plan | None, solver_options: dict, hold_outputs: bool = True):
         super().__init__()
+        self._hold_outputs = hold_outputs
         self._orig_mod = model
         self._budget = budget
         self._solver = solver
@@ -147,7 +150,7 @@ class CompiledModule(torch.nn.Module):
     def _partition(self, entry: _Entry):
         def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
             gm = run_passes(joint, num_fwd_outputs=num_fwd_outputs, cost_model=self._cost_model)
-            cg = CostGraph.from_graph_module(gm)
+            cg = CostGraph.from_graph_module(gm, hold_outputs=self._hold_outputs)
             if self._fixed_plan is not None:
                 self._fixed_plan.check_applies_to(cg)
                 plan = self._fixed_plan
@@ -196,7 +199,7 @@ def _sync_across_ranks(planned: PlannedGraph) -> PlannedGraph:
 
 
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] = "cpsat",
-            cost_model: CostModel | None = None, plan: Plan | None = None,
+            cost_model: CostModel | None = None, plan: Plan | None = None, hold_outputs: bool = True,
             **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
@@ -215,6 +218,13 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         Compute rate and bandwidths for the runtime estimate.
     plan : Plan, optional
         Apply this saved plan instead of solving (it must be for the same graph).
+    hold_outputs : bool
+        True (default, safe): the caller keeps the model's outputs until backward ends, as in
+        ``out = m(x); loss_fn(out, y).backward()``; they count to the end of the step. False: the
+        caller lets go of them before backward except the scalar loss it calls ``backward()`` on
+        (``m(x, labels=y).loss.backward()`` drops the logits); the plan then frees, keeps or
+        recomputes them like any other value. If a caller that said
+        False holds them anyway, the step peaks above the plan by up to their size.
     **solver_options :
         Passed to the solver (``time_limit_s``, ``num_workers``...).
 
@@ -236,4 +246,4 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     get_solver(solver)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
-    return CompiledModule(model, budget, solver, cost_model, plan, solver_options)
+    return CompiledModule(model, budget, solver, cost_model, plan, solver_options, hold_outputs)

@@ -17,7 +17,8 @@ the passes' ``remat.*`` meta keys:
 =================  =====================================================================
 
 Graph attributes: ``fw_outputs`` / ``bw_outputs`` (node names, None for absent gradients),
-``block_container``, ``fingerprint`` (a hash of the graph's structure, shapes and dtypes).
+``block_container``, ``hold_outputs`` (whether the caller keeps the model's outputs through backward),
+``fingerprint`` (a hash of the graph's structure, shapes, dtypes and ``hold_outputs``).
 """
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ class CostGraph:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_graph_module(cls, gm: fx.GraphModule) -> "CostGraph":
+    def from_graph_module(cls, gm: fx.GraphModule, *, hold_outputs: bool = True) -> "CostGraph":
         """Build the CostGraph of a joint graph that :func:`passes.run_passes` annotated.
+
+        ``hold_outputs``: True (the safe default) if the caller keeps the model's outputs alive until
+        backward ends (``out = model(x); loss_fn(out).backward()``); False if it lets them go before
+        backward (``model(x).loss.backward()``): then they are values like any other, saved, freed
+        or recomputed as the plan decides.
 
         Raises
         ------
@@ -94,6 +100,7 @@ class CostGraph:
             for a in n.all_input_nodes:
                 g.add_edge(a.name, n.name)
         g.graph["block_container"] = gm.meta.get("remat.block_container")
+        g.graph["hold_outputs"] = bool(hold_outputs)
         cg = cls(g)
         g.graph["fingerprint"] = cg._compute_fingerprint()
         return cg
@@ -195,11 +202,17 @@ class CostGraph:
         return {n: a["storage"] for n, a in self.g.nodes(data=True)}
 
     # ------------------------------------------------------------------ derived sets
+    @property
+    def hold_outputs(self) -> bool:
+        return self.g.graph.get("hold_outputs", True)
+
     @cached_property
     def held_storages(self) -> frozenset[str]:
-        """Storages that outlive the step's backward: forward outputs (the caller holds them)."""
-        return frozenset(self.storage(o) for o in self.fw_outputs if o is not None
-                         and self.storage(o) is not None
+        """Storages that outlive the step's backward: forward outputs when the caller holds them, and
+        otherwise its scalar outputs (the loss it calls ``backward()`` on is alive through it)."""
+        outs = [o for o in self.fw_outputs if o is not None
+                and (self.hold_outputs or self.g.nodes[o]["shape"] == ())]
+        return frozenset(self.storage(o) for o in outs if self.storage(o) is not None
                          and self.g.nodes[self.storage(o)]["phase"] == "fw")
 
     @cached_property
@@ -252,4 +265,6 @@ class CostGraph:
             h.update(b";")
         h.update(repr(self.fw_outputs).encode())
         h.update(repr(self.bw_outputs).encode())
+        if not self.hold_outputs:
+            h.update(b"|outputs dropped")
         return h.hexdigest()[:16]
