@@ -175,7 +175,7 @@ def _section(result: dict) -> str:
         f"{result['description']}. {result['world_size']} rank(s), {result['threads']} torch thread(s) per "
         f"rank, torch {result['torch']}. Traced graph: {result['nodes']} nodes, traced and analysed in "
         f"{result['trace_s']:.1f} s. CP-SAT: time limit {result['time_limit_s']:g} s per solve, "
-        f"{result['num_workers']} workers. Smallest "
+        f"{result['num_workers']} workers, objective {result.get('objective', 'runtime')}. Smallest "
         f"feasible budget: {_mib(mf['bytes'])} MiB ({'proven' if mf['proven'] else 'not proven'} within "
         f"the limit, {mf['seconds']:.1f} s). Step time: median of {result['rounds']} interleaved steps. "
         f"Benchmark wall time: {result['runtime_s'] / 60:.1f} min. Command: `{result.get('command', '-')}`; "
@@ -207,7 +207,9 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   model eagerly under an active dispatch mode; with it, the compiled `aot_eager_decomp_partition` graph
   runs with the tracker on and every aten op of the compiled forward and backward reaches it (checked:
   the compiled step dispatches the decomposed graph's ops, and its peak changes with the budget).
-- **predicted peak**: the remat_compiler plan's own prediction (simulator), for its rows only.
+- **predicted peak**: the remat_compiler plan's own prediction (simulator), for its rows only. Every step
+  here is `loss_of(model(...)).backward()`, which lets go of the model's outputs (the logits) before
+  backward and keeps only the loss, so remat_compiler plans with `hold_outputs=False`.
 - **FLOP ratio**: FLOPs of one step counted by `torch.utils.flop_counter.FlopCounterMode`'s registry
   (matmul, convolution, attention) over the whole step, same `ignore_compile_internals` treatment, divided
   by eager's. 1.000 means no recompute of counted ops.
@@ -225,10 +227,12 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   (a compile counter shows none recompiles while measured or timed).
 - **checkpoint**: `torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)` around every
   repeated block (GPT-2 `transformer.h[i]`, Mixtral `model.layers[i]`, MoE stack and MLP chain `layers[i]`).
-- **remat_compiler**: `remat_compiler.compile(model, budget, plan=plan)` with a CP-SAT plan for each budget:
-  every peer's measured peak (in bytes), fractions of the no-recompute plan's predicted peak, and the
-  smallest feasible budget. Status `feasible` means CP-SAT stopped at its time limit; the gap is its proven
-  relative gap on the recompute cost.
+- **remat_compiler**: `remat_compiler.compile(model, budget, plan=plan, hold_outputs=False)` with a CP-SAT
+  plan for each budget: every peer's measured peak (in bytes), fractions of the no-recompute plan's
+  predicted peak, and the smallest feasible budget. CP-SAT minimises the objective named per workload
+  (`flops`: counted FLOPs recomputed, memory-bound ops breaking ties; `runtime`: the roofline runtime
+  estimate). Status `feasible` means CP-SAT stopped at its time limit; the gap is its proven relative gap
+  on that objective.
 - **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every
   rank runs the same steps in lock step; CP-SAT plans and the smallest feasible budget are computed on rank 0
   and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two

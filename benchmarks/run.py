@@ -135,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="shrunk workloads, short limits (smoke run, tests)")
     p.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per solve (25; quick 5)")
     p.add_argument("--workers", type=int, default=8, help="CP-SAT workers (default 8)")
+    p.add_argument("--objective", choices=("flops", "runtime"), default="flops",
+                   help="CP-SAT's recompute cost (default flops: what the FLOP ratio counts)")
     p.add_argument("--rounds", type=int, default=None, help="timed steps per strategy (7; quick 3)")
     p.add_argument("--out", default=HERE, help="output folder (default: benchmarks/)")
     p.add_argument("--dist-timeout", type=float, default=None,
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     opts = BenchOptions(quick=args.quick,
                         time_limit_s=args.time_limit or (5.0 if args.quick else 25.0),
-                        num_workers=args.workers,
+                        num_workers=args.workers, objective=args.objective,
                         rounds=args.rounds or (3 if args.quick else 7),
                         fractions=(0.5,) if args.quick else (0.75, 0.5, 0.35))
     dist_timeout = args.dist_timeout or (300.0 if args.quick else 3600.0)

@@ -148,12 +148,12 @@ def moe_runner(spec: WorkloadSpec, quick: bool, name: str, group=None) -> Runner
     """
     model, args, kwargs = spec.build(quick, group)
     try:
-        planned = remat_compiler.plan_model(model, args, kwargs, None, solver=name)
+        planned = remat_compiler.plan_model(model, args, kwargs, None, solver=name, hold_outputs=False)
     except ValueError as exc:
         if isinstance(exc, RematError):
             raise
         return Skipped(name, "-", "n/a", str(exc))
-    compiled = remat_compiler.compile(model, None, solver=name, plan=planned.plan)
+    compiled = remat_compiler.compile(model, None, solver=name, plan=planned.plan, hold_outputs=False)
     return Runner(name, "-", compiled, _params(model), plan=planned.plan,
                   prepare_s=planned.plan.solve_time_s)
 
@@ -193,7 +193,7 @@ def remat_runner(model: nn.Module, cg: CostGraph, budget_bytes: int, setting: st
                        f"needs >= {remat_compiler.human_bytes(payload)}", budget_bytes)
     plan = Plan.from_json(payload)
     check_plan(cg, plan)  # every rank checks the shared plan against its own graph
-    compiled = remat_compiler.compile(model, budget_bytes, plan=plan)
+    compiled = remat_compiler.compile(model, budget_bytes, plan=plan, hold_outputs=False)
     return Runner("remat_compiler", setting, compiled, _params(model), budget_bytes=budget_bytes, plan=plan,
                   prepare_s=plan.solve_time_s)
 

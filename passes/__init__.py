@@ -19,10 +19,10 @@ import torch.fx as fx
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
 from passes.phases import annotate_phases
-from passes.storage import annotate_storage
+from passes.storage import annotate_storage, calibrate_scalar_storage
 
-__all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "annotate_costs",
-           "annotate_blocks"]
+__all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "calibrate_scalar_storage",
+           "annotate_costs", "annotate_blocks"]
 
 
 def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None
@@ -41,6 +41,7 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
     gm.graph.eliminate_dead_code()
     gm = annotate_phases(gm, num_fwd_outputs=num_fwd_outputs)
     gm = annotate_storage(gm)
+    gm = calibrate_scalar_storage(gm)
     gm = annotate_costs(gm, cost_model or CostModel())
     gm = annotate_blocks(gm)
     try:

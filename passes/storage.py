@@ -6,6 +6,12 @@ aliases and non-tensors) and ``meta["remat.tuple"]`` (a multi-output node; its t
 its ``getitem`` users, except outputs nobody takes, whose bytes the multi-output node owns: they
 live until its last ``getitem`` is read). Aliasing is read from the FakeTensors' storage identity, so every view op,
 ``detach`` and ``_unsafe_view`` is handled without a list of op names.
+
+A FakeTensor's storage is exactly what its shape needs; a real kernel may allocate more. Scalar
+results are where that happens (CPU ``mse_loss`` returns its 4-byte loss as a view into a buffer the
+size of its input, which stays alive with the loss), so :func:`calibrate_scalar_storage` runs every op
+with a scalar CPU result once on zero-filled real inputs of the traced shapes and records the bytes
+the real result's storage holds.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["annotate_storage", "STORAGE", "BYTES", "TUPLE"]
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "STORAGE", "BYTES", "TUPLE"]
 
 STORAGE = "remat.storage"
 BYTES = "remat.bytes"
@@ -67,4 +73,47 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
             n.meta[STORAGE], n.meta[BYTES] = (n.name, loose) if loose else (None, 0)
         else:
             n.meta[STORAGE], n.meta[BYTES] = None, 0
+    return gm
+
+
+def _real_like(v):
+    """A zero-filled real tensor like a FakeTensor (nested in lists), or the value itself."""
+    if isinstance(v, torch.Tensor):
+        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_real_like(x) for x in v)
+    return v
+
+
+def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace the traced bytes of scalar CPU results by what the real kernel's storage holds.
+
+    Runs each deterministic aten op whose result is a 0-dim CPU tensor owning its storage once, on
+    zero-filled real inputs of its traced shapes (each input briefly allocated); random, mutating
+    and collective ops are skipped, and so is an op the zero inputs make fail (its traced bytes stay).
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() != 0 \
+                or val.device.type != "cpu" or n.meta.get(STORAGE) != n.name:
+            continue
+        target = n.target
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" \
+                or torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+            continue
+
+        def real(a):
+            return _real_like(a.meta.get("val")) if isinstance(a, fx.Node) else a
+
+        with unset_fake_temporarily(), torch.no_grad():
+            try:
+                args = torch.fx.node.map_aggregate(n.args, real)
+                kwargs = torch.fx.node.map_aggregate(n.kwargs, real)
+                out = target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - zero inputs this op rejects: keep the traced bytes
+                continue
+            if isinstance(out, torch.Tensor):
+                n.meta[BYTES] = max(n.meta[BYTES], _storage_bytes(out))
     return gm

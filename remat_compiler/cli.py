@@ -182,17 +182,20 @@ time_limit_option = click.option(
 
 # ---------------------------------------------------------------------------- pipeline helpers
 def _solve(console: Console, workload: Workload, budget: str | None, solver: str,
-           time_limit_s: float | None) -> PlannedGraph:
+           time_limit_s: float | None, *, hold_outputs: bool = True,
+           objective: str | None = None) -> PlannedGraph:
     """Trace, solve and check (the pipeline's first steps), with progress and step timings."""
     with timed(console, "trace and annotate"):
-        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver)
+        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver,
+                         hold_outputs=hold_outputs)
     console.detail(f"graph {cg.fingerprint}: {cg.summary()}")
     with console.progress(solver) as progress, timed(console, f"solve with {solver} and check"):
-        opts = options_for(solver, time_limit_s=time_limit_s, progress=progress)
+        opts = options_for(solver, time_limit_s=time_limit_s, progress=progress, objective=objective)
         return plan_graph(gm, cg, budget, solver=solver, **opts)
 
 
-def _apply_saved_plan(console: Console, workload: Workload, path: str) -> PlannedGraph:
+def _apply_saved_plan(console: Console, workload: Workload, path: str, hold_outputs: bool = True
+                      ) -> PlannedGraph:
     """Trace the model and re-apply a saved plan to it; a file that is not a valid plan for this
     model (corrupt, edited, or made for another graph) is a bad argument."""
     try:
@@ -202,7 +205,8 @@ def _apply_saved_plan(console: Console, workload: Workload, path: str) -> Planne
         raise click.BadParameter(f"{path} is not a valid plan file: {type(exc).__name__}: {exc}",
                                  param_hint="--load") from exc
     with timed(console, "trace and annotate"):
-        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=plan.solver)
+        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=plan.solver,
+                         hold_outputs=hold_outputs)
     try:
         plan.check_applies_to(cg)
     except PlanMismatchError as exc:
@@ -275,15 +279,21 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
 @click.option("--load", "load_path", type=click.Path(exists=True, dir_okay=False), default=None,
               metavar="PLAN.json", help="Re-apply a saved plan instead of solving.")
 @click.option("--all", "all_rows", is_flag=True, help="Table: print every row.")
+@click.option("--objective", type=click.Choice(["runtime", "flops"]), default=None,
+              help="CP-SAT's recompute cost: estimated runtime (default) or counted FLOPs.")
+@click.option("--drop-outputs", is_flag=True,
+              help="Plan for a step that keeps only the scalar loss through backward "
+                   "(model(x).loss.backward()); default: the caller holds every output.")
 @time_limit_option
 @click.pass_context
 def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | None, solver: str,
          fmt: str, output: str | None, timeline: str | None, load_path: str | None, all_rows: bool,
-         time_limit_s: float | None) -> None:
+         objective: str | None, drop_outputs: bool, time_limit_s: float | None) -> None:
     """Trace MODULE:FACTORY's training step, plan it under --budget and print the plan."""
     console: Console = ctx.obj
     if load_path is not None:
-        options = {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit"}
+        options = {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
+                   "objective": "--objective"}
         given = [flag for name, flag in options.items()
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
@@ -291,9 +301,10 @@ def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | N
                                    "used with it")
     workload = _load_workload(factory, factory_kwargs, console)
     if load_path is not None:
-        planned = _apply_saved_plan(console, workload, load_path)
+        planned = _apply_saved_plan(console, workload, load_path, hold_outputs=not drop_outputs)
     else:
-        planned = _solve(console, workload, budget, solver, time_limit_s)
+        planned = _solve(console, workload, budget, solver, time_limit_s, hold_outputs=not drop_outputs,
+                         objective=objective)
     _emit_text(console, _render(planned, fmt, all_rows), output)
     if timeline is not None:
         console.note(f"wrote timeline picture {_write_timeline(planned, timeline)}")

@@ -10,8 +10,9 @@ implements and this module simulates:
   step that needs it*, together with whatever it needs in turn, in forward order; each value is freed
   after its last use.
 
-Memory is counted per node: each node allocates its output while its inputs are live, and a value is
-freed right after its last reader (as fx's generated code does). Steps group nodes: forward step ``i``
+Memory is counted per node: each node allocates its output while its inputs are live (a multi-output
+op all the outputs it returns), and a value is freed right after its last reader (as fx's generated
+code does). Steps group nodes: forward step ``i``
 runs the i-th forward node; backward step ``F + j`` runs the recomputations the j-th backward node
 needs and then that node. Every node run also has a *time* on one integer axis, which is what the
 CP-SAT model uses: forward node ``i`` runs at time ``i``; in backward step ``j`` the recomputation of
@@ -253,8 +254,13 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         times.append(time)
         for p in cg.preds(n):
             use(p, step, ev, time, n)
-        if storage_of[n] == n and nodes[n]["bytes"] > 0:
+        if storage_of[n] == n and nodes[n]["bytes"] > 0 and live.get(n) != (n, kind):
             alloc(n, kind, step, ev, time)
+        if nodes[n]["is_tuple"]:  # a multi-output op allocates every output it returns at once
+            for u in cg.g.successors(n):
+                if storage_of[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" \
+                        and (u in recomputed if kind == "rc" else nodes[u]["phase"] == nodes[n]["phase"]):
+                    alloc(u, kind, step, ev, time)
         clock["ev"] = ev + 1
 
     times: list[int] = []

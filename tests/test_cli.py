@@ -156,6 +156,22 @@ def test_gpt2_factory_from_the_cli(capsys):
     assert plan.peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
 
 
+def test_drop_outputs_and_flops_objective(tmp_path, capsys):
+    """--drop-outputs plans for a caller keeping only the loss (a smaller no-recompute peak than
+    holding the logits); its plan file re-applies only with --drop-outputs; --objective reaches CP-SAT."""
+    out = tmp_path / "dropped.json"
+    argv = ["-q", "plan", *GPT2, "--budget", "0.6", "--time-limit", "3", "--format", "json"]
+    assert main([*argv, "--drop-outputs", "--objective", "flops", "-o", str(out)]) == EXIT_OK
+    dropped = Plan.load(str(out))
+    assert dropped.extras["objective"] == "flops" and dropped.peak_bytes <= dropped.budget_bytes
+    assert main(["-q", "plan", *GPT2, "--solver", "save_all", "--format", "json"]) == EXIT_OK
+    held = Plan.from_json(capsys.readouterr().out)
+    assert dropped.baseline_peak_bytes < held.baseline_peak_bytes
+    assert main(["-q", "plan", *GPT2, "--load", str(out)]) == EXIT_USAGE
+    assert "graph" in assert_one_error_line(capsys.readouterr().err)
+    assert main(["-q", "plan", *GPT2, "--load", str(out), "--drop-outputs"]) == EXIT_OK
+
+
 def test_moe_factory_from_the_cli(capsys):
     assert main(["-q", "plan", *MOE, "--budget", "0.95", "--format", "json", "--time-limit", "5"]) == EXIT_OK
     plan = Plan.from_json(capsys.readouterr().out)

@@ -56,7 +56,7 @@ class RandomDAG(nn.Module):
         return sum(v.sum() for v in vals[-2:])
 
 
-def brute_force(cg, budget):
+def brute_force(cg, budget, objective="runtime"):
     """Cheapest plan whose simulated (node-level) peak fits: what CP-SAT must find."""
     best = None
     for k in range(len(cg.candidates) + 1):
@@ -64,7 +64,7 @@ def brute_force(cg, budget):
             schedule = build_schedule(cg, subset)
             if simulate(cg, schedule).peak_bytes > budget:
                 continue
-            cost = sum(cost_units(cg, n) for n in schedule.recomputed)
+            cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
             best = cost if best is None else min(best, cost)
     return best
 
@@ -163,3 +163,48 @@ def test_model_peak_is_the_simulated_peak_for_every_saved_set(seed):
         assert solver.solve(rm.model) == cp_model.OPTIMAL
         expected = simulate(cg, build_schedule(cg, subset)).peak_bytes
         assert solver.value(rm.peak) * rm.unit_bytes == expected, (seed, subset)
+
+
+def test_model_peak_is_exact_on_multi_output_ops_and_dropped_outputs():
+    """The same exactness on a tiny HuggingFace Mixtral, whose graph has multi-output ops (topk, sort,
+    split, nll_loss_forward, the experts' grouped-matmul backward), with its logits not held."""
+    transformers = pytest.importorskip("transformers")
+    from ortools.sat.python import cp_model
+
+    from remat_compiler.solvers.cpsat import build_model
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        use_cache=False, router_jitter_noise=0.0, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    _, cg = rc.analyze(model, (), {"input_ids": ids, "labels": ids}, hold_outputs=False)
+    assert sum(cg.attr(n, "is_tuple") for n in cg.fw_order) >= 4
+    rng = random.Random(0)
+    for _ in range(4):
+        subset = build_schedule(cg, [c for c in cg.candidates if rng.random() < 0.5]).saved
+        rm = build_model(cg, None, minimize="peak", forced_saved=subset,
+                         forbidden_saved=[c for c in cg.candidates if c not in subset])
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 2
+        assert solver.solve(rm.model) == cp_model.OPTIMAL
+        assert solver.value(rm.peak) * rm.unit_bytes == simulate(cg, build_schedule(cg, subset)).peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cpsat_matches_brute_force_on_counted_flops(seed):
+    """objective="flops": FLOPs decide (memory-bound ops count one unit each), still optimal."""
+    model, x, cg = _graph(seed)
+    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
+                    for k in range(len(cg.candidates) + 1)
+                    for s in itertools.combinations(cg.candidates, k)})
+    for budget in sorted({peaks[0], peaks[len(peaks) // 3]}):
+        plan = solve_cpsat(cg, budget, time_limit_s=20, num_workers=2, objective="flops")
+        check_plan(cg, plan)
+        assert plan.status == "optimal" and plan.extras["objective"] == "flops"
+        assert plan_cost_units(cg, plan, "flops") == brute_force(cg, budget, "flops"), (seed, budget)
+    with pytest.raises(ValueError, match="objective"):
+        solve_cpsat(cg, peaks[-1], objective="bytes")

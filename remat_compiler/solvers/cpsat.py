@@ -14,7 +14,8 @@ node, then backward steps ``0..B-1``, one per backward node (the simulator's ste
   (a backward node, directly or through a view, or a recomputation);
 - memory: one ``add_cumulative`` over every value's live interval. A candidate's forward interval is
   fixed; saving it adds the optional interval ``[end of forward use + 1, last[v]]``; recomputing it
-  adds ``[F + st[v]*K + i, last[v]]``. Everything the plan does not change (tangents, backward values,
+  adds ``[F + st[v]*K + i, last[v]]`` (i: the op's forward index; a multi-output op's outputs all
+  start at the op's). Everything the plan does not change (tangents, backward values,
   outputs) enters as fixed intervals. Its capacity is the peak variable, at most the budget.
 
 The cumulative's load at a node's time is what the emitted code holds while that node runs (each node
@@ -45,15 +46,29 @@ __all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", 
            "build_model", "block_classes"]
 
 
-def cost_units(cg: CostGraph, n: str) -> int:
-    """Integer recompute cost of a node: its runtime estimate in ns, at least 1 for a real op."""
+OBJECTIVES = ("runtime", "flops")
+
+
+def cost_units(cg: CostGraph, n: str, objective: str = "runtime") -> int:
+    """Integer recompute cost of a node under an objective.
+
+    ``"runtime"``: its roofline runtime estimate in ns (communication included), at least 1 for a
+    real op. ``"flops"``: its counted FLOPs in kFLOP plus 1 for any real op, so that FLOPs decide and
+    among plans of equal FLOPs (memory-bound ops count none) the one recomputing fewer ops wins.
+    """
     rt = cg.attr(n, "runtime_s")
-    return 0 if rt <= 0 else max(1, math.ceil(rt * 1e9))
+    if rt <= 0:
+        return 0
+    if objective == "runtime":
+        return max(1, math.ceil(rt * 1e9))
+    if objective == "flops":
+        return cg.attr(n, "flops") // 1000 + 1
+    raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
 
 
-def plan_cost_units(cg: CostGraph, plan: Plan) -> int:
+def plan_cost_units(cg: CostGraph, plan: Plan, objective: str = "runtime") -> int:
     """The objective value of a plan: the summed integer cost of what it recomputes."""
-    return sum(cost_units(cg, n) for n in plan.recomputed)
+    return sum(cost_units(cg, n, objective) for n in plan.recomputed)
 
 
 @dataclass
@@ -105,7 +120,8 @@ def _storage_readers(cg: CostGraph):
 
 
 def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cost",
-                max_cost: int | None = None, forced_saved=(), forbidden_saved=()) -> RematModel:
+                max_cost: int | None = None, forced_saved=(), forbidden_saved=(),
+                objective: str = "runtime") -> RematModel:
     """Build the CP-SAT model of a CostGraph.
 
     Parameters
@@ -119,6 +135,8 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         Upper bound on the recompute cost (for the second, peak-minimising solve).
     forced_saved, forbidden_saved : iterables of candidate names
         Hard constraints from user policies (``save_only``, ``never_save``...).
+    objective : "runtime" | "flops"
+        What the recompute cost counts (see :func:`cost_units`).
     """
     m = cp_model.CpModel()
     F, fw_reads, bw_reads, rc_readers = _storage_readers(cg)
@@ -180,8 +198,9 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     first, xs = {}, {}
     getitem_parent = {u: cg.preds(u)[0] for u in M
                       if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
+    earliest = _earliest_need(cg, M, direct_first, B)
     for v in M:
-        first[v] = m.new_int_var(0, B - 1, f"first_{v}")
+        first[v] = m.new_int_var(min(earliest[v], B - 1), B - 1, f"first_{v}")
     for v in M:
         terms = [direct_first[v]] if v in direct_first else []
         for w in cg.g.successors(v):
@@ -211,7 +230,7 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         demands.append(size // unit)
     for v in cands:
         size = cg.attr(v, "bytes") // unit
-        a = idx[v]
+        a = _alloc_index(cg, v)
         e = max(fw_reads.get(v, a), a)
         intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
         demands.append(size)
@@ -222,8 +241,9 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         for u in rc_readers.get(v, ()):
             if u in in_m and u != v:
                 m.add(last >= F + idx[u] + K * st[u]).only_enforce_if(r[u])
-        rc_start = m.new_int_var(F + idx[v], F + idx[v] + K * (B - 1), f"rcs_{v}")
-        m.add(rc_start == F + idx[v] + K * st[v])
+        at = _alloc_index(cg, v)
+        rc_start = m.new_int_var(F + at, F + at + K * (B - 1), f"rcs_{v}")
+        m.add(rc_start == F + at + K * st[v])
         m.add(last >= rc_start).only_enforce_if(r[v])
         aux[v] = {"last": last}
         # saved: [e+1, last]
@@ -254,9 +274,10 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
     peak = m.new_int_var(0, max(peak_hi, 0), "peak")
     m.add_cumulative(intervals, demands, peak)
-    _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s)
+    _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s,
+                     _saved_reach(cg, rc_readers, in_m, earliest, B))
 
-    costs = {v: cost_units(cg, v) for v in M}
+    costs = {v: cost_units(cg, v, objective) for v in M}
     g = reduce(math.gcd, [c for c in costs.values() if c > 0], 0) or 1
     cost = sum((costs[v] // g) * r[v] for v in M if costs[v] > 0)
     if max_cost is not None:
@@ -273,15 +294,53 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
                       direct_first=direct_first, getitem_parent=getitem_parent)
 
 
-def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s) -> None:
+def _alloc_index(cg: CostGraph, v: str) -> int:
+    """Forward index of the op that allocates v: a multi-output op allocates all its outputs at once."""
+    if cg.attr(v, "op") == "getitem":
+        parent = cg.preds(v)[0]
+        if cg.attr(parent, "is_tuple"):
+            return cg.fw_index[parent]
+    return cg.fw_index[v]
+
+
+def _earliest_need(cg: CostGraph, M: list[str], direct_first: dict[str, int], B: int) -> dict[str, int]:
+    """For each model node, the earliest backward step that could need it in any plan: its first
+    direct read, or that of anything downstream a recomputation could reach it from (B: never)."""
+    in_m = set(M)
+    earliest: dict[str, int] = {}
+    for v in reversed(M):
+        e = direct_first.get(v, B)
+        for u in cg.g.successors(v):
+            if u in in_m:
+                e = min(e, earliest[u])
+        earliest[v] = e
+    return earliest
+
+
+def _saved_reach(cg: CostGraph, rc_readers, in_m, earliest: dict[str, int], B: int) -> dict[str, int]:
+    """For a candidate backward never reads directly: a step it is certainly live through when saved.
+
+    It is saved only if needed, so some reader u is recomputed, at the earliest at ``earliest[u]``.
+    """
+    reach = {}
+    for v in cg.candidates:
+        ends = [earliest[u] for u in rc_readers.get(v, ()) if u in in_m and u != v]
+        reach[v] = min(min(ends), B - 1) if ends else -1
+    return reach
+
+
+def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s,
+                     reach) -> None:
     """Redundant linear constraints, one per forward node and per backward node: memory that is live
     at that node's time whatever else the plan does.
 
     The cumulative alone gives CP-SAT no useful LP bound. At forward node t a candidate is certainly
     live while the forward still reads it, and afterwards exactly when saved; at backward node j it is
     certainly live between its first and last direct backward read (saved or recomputed, backward
-    needs it there), and before that whenever it is saved. Both are lower bounds of the cumulative's
-    load at those times, so adding them removes no plan.
+    needs it there), and before that whenever it is saved; a saved value backward reads only through
+    recomputation is live at least until the earliest step one of its readers can be recomputed
+    (``reach``), so at the backward nodes before it. All are lower bounds of the cumulative's load at those times, so adding them removes
+    no plan.
     """
     K = F + 1
     points = list(range(F)) + [F + j * K + F for j in range(B)]  # sorted times of fw and bw nodes
@@ -298,13 +357,15 @@ def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_
     terms: list[list[tuple[int, str]]] = [[] for _ in range(T)]
     for v in cg.candidates:
         size = cg.attr(v, "bytes") // unit
-        a = cg.fw_index[v]
+        a = _alloc_index(cg, v)
         e = max(fw_reads.get(v, a), a)
         for t in range(a, e + 1):
             const[t] += size
         if v not in s:
             continue
         lo = bw_reads.get(v, -1)
+        if lo < 0:  # live until its reader's recomputation, which runs before that step's node
+            lo = reach[v] - 1
         for t in range(e + 1, F):
             terms[t].append((size, v))
         first = direct_first.get(v)
@@ -389,12 +450,13 @@ def block_classes(cg: CostGraph) -> list[list[str]]:
 
 
 def _warm_start(cg: CostGraph, budget_bytes: int, time_limit_s: float, num_workers, deterministic,
-                forced_saved, forbidden_saved, hint=None) -> set[str] | None:
+                forced_saved, forbidden_saved, hint=None, objective: str = "runtime") -> set[str] | None:
     """Solve with identical blocks tied to the same decisions; None if there are no such blocks."""
     classes = block_classes(cg)
     if not classes:
         return None
-    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
+                     objective=objective)
     for cls in classes:
         first = rm.saved.get(cls[0])
         for v in cls[1:]:
@@ -448,10 +510,9 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
     for v, var in rm.start.items():
         m.add_hint(var, step_of.get(v, first[v]))
     K = F + 1
-    idx = cg.fw_index
     for v, a in rm.aux.items():
         st = step_of.get(v, first[v])
-        rc_start = F + idx[v] + K * st
+        rc_start = F + _alloc_index(cg, v) + K * st
         if v in saved:
             last = sim.times[(v, "fw")][1]
         elif v in step_of:
@@ -502,7 +563,8 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
 def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0,
                 num_workers: int | None = None, deterministic: bool = False, minimize_peak: bool = True,
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
-                block_reuse: bool = True, block_reuse_share: float = 0.4, **opts) -> Plan:
+                block_reuse: bool = True, block_reuse_share: float = 0.4, objective: str = "runtime",
+                **opts) -> Plan:
     """Minimise recompute cost subject to the simulated peak <= ``budget_bytes``.
 
     Parameters
@@ -533,6 +595,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional
         Called with ``{"elapsed_s", "objective", "bound", "gap"}`` on each improving solution.
+    objective : "runtime" | "flops"
+        The recompute cost minimised: estimated runtime (default; memory-bound ops cost their
+        bytes moved) or counted FLOPs (what FLOP-overhead tables measure; see :func:`cost_units`).
 
     Returns
     -------
@@ -547,6 +612,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     t0 = time.perf_counter()
     if opts:
         raise TypeError(f"solve_cpsat got unknown options {sorted(opts)}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
     all_saved = set(save_all_set(cg))
     base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
     warm = None
@@ -555,12 +622,13 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     elif warm_start:
         heuristic, _ = best_heuristic_set(cg, budget_bytes)
         warm = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
-                           deterministic, forced_saved, forbidden_saved, heuristic) \
+                           deterministic, forced_saved, forbidden_saved, heuristic, objective) \
             if block_reuse else None
         known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
         warm = min([w for w in (warm, heuristic, *known) if w is not None], default=None,
-                   key=lambda w: simulate(cg, build_schedule(cg, w)).recompute_s)
-    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+                   key=lambda w: sum(cost_units(cg, n, objective) for n in build_schedule(cg, w).recomputed))
+    rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
+                     objective=objective)
     if warm is not None:
         _hint(rm, cg, warm)
     total_s = time_limit_s
@@ -577,19 +645,21 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                                                   deterministic=deterministic)
         if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
             raise InfeasibleBudgetError(budget_bytes, min_peak, proven=proven)
-        rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+        rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
+                         objective=objective)
         _hint(rm, cg, low)
         solver = _solver(time_limit_s, num_workers, deterministic)
         status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the lowest-peak plan itself
             schedule = build_schedule(cg, low)
-            cost = sum(cost_units(cg, n) for n in schedule.recomputed)
+            cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
             return make_plan(cg, low, budget_bytes=budget_bytes, solver="cpsat", status="feasible",
                              gap=0.0 if cost == 0 else max(0.0, 1 - bound * rm.cost_gcd / cost),
                              solve_time_s=time.perf_counter() - t0,
                              model_peak_bytes=simulate(cg, schedule).peak_bytes,
                              baseline_peak_bytes=base_peak,
-                             extras={"cost_units": cost, "cost_bound_units": bound * rm.cost_gcd})
+                             extras={"cost_units": cost, "cost_bound_units": bound * rm.cost_gcd,
+                                     "objective": objective})
     saved = {v for v, var in rm.saved.items() if solver.value(var)}
     best_cost = int(round(solver.objective_value))
     bound = solver.best_objective_bound
@@ -598,7 +668,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     model_peak = solver.value(rm.peak) * rm.unit_bytes
     if minimize_peak:
         rm2 = build_model(cg, budget_bytes, minimize="peak", max_cost=best_cost * rm.cost_gcd,
-                          forced_saved=forced_saved, forbidden_saved=forbidden_saved)
+                          forced_saved=forced_saved, forbidden_saved=forbidden_saved, objective=objective)
         _hint(rm2, cg, saved)
         left = total_s - (time.perf_counter() - t0)
         solver2 = _solver(max(1.0, min(left, 0.25 * total_s)), num_workers, deterministic)
@@ -611,4 +681,5 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                      status="optimal" if optimal else "feasible", gap=gap,
                      solve_time_s=time.perf_counter() - t0, model_peak_bytes=model_peak,
                      baseline_peak_bytes=base_peak,
-                     extras={"cost_units": best_cost * rm.cost_gcd, "cost_bound_units": bound * rm.cost_gcd})
+                     extras={"cost_units": best_cost * rm.cost_gcd, "cost_bound_units": bound * rm.cost_gcd,
+                             "objective": objective})
