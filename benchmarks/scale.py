@@ -33,7 +33,7 @@ def _solve(cg, budget: int, target_s: float, opts: BenchOptions) -> dict:
     events = []
     t0 = time.perf_counter()
     try:
-        plan = remat_compiler.solve(cg, budget, "cpsat", time_limit_s=target_s,
+        plan = remat_compiler.solve(cg, budget, "cpsat", time_limit_s=target_s, objective=opts.objective,
                                     num_workers=opts.num_workers, progress=events.append)
     except InfeasibleBudgetError as exc:
         return {"budget_bytes": budget, "status": "infeasible", "solve_s": time.perf_counter() - t0,
@@ -55,7 +55,7 @@ def bench_plan_scale(opts: BenchOptions) -> dict:
         model, args, kwargs = build_gpt2(opts.quick, n_layer=layers)
         model.train()
         t0 = time.perf_counter()
-        _gm, cg = remat_compiler.analyze(model, args, kwargs)
+        _gm, cg = remat_compiler.analyze(model, args, kwargs, hold_outputs=False)
         trace_s = time.perf_counter() - t0
         baseline = remat_compiler.solve(cg, None, "save_all").peak_bytes
         blocks = remat_compiler.solve(cg, None, "checkpoint_blocks").peak_bytes
@@ -67,7 +67,7 @@ def bench_plan_scale(opts: BenchOptions) -> dict:
     return {"workload": "scale", "kind": "plan_scale", "quick": opts.quick,
             "description": f"GPT-2 as in gpt2 ({WORKLOADS['gpt2'].description(opts.quick)}) at "
                            f"{' and '.join(str(n) for n, _ in SCALE_LAYERS[opts.quick])} layers, planned only",
-            "num_workers": opts.num_workers,
+            "num_workers": opts.num_workers, "objective": opts.objective,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "runtime_s": time.perf_counter() - t_start, "rows": rows}
 

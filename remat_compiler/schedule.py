@@ -94,6 +94,7 @@ class SimResult:
     recompute_comm_bytes: int
     events: list[tuple[str, int]] = field(default_factory=list)  # (node run, live bytes while it runs)
     times: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # first, last event
     peak_node: str | None = None
     peak_time: int = 0
 
@@ -311,6 +312,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         peak_node=order[peak_ev] if order else None,
         peak_time=peak_time,
         times={k: (v[4], v[5]) for k, v in intervals.items()},
+        spans={k: (v[2], v[3]) for k, v in intervals.items()},
         profile=profile,
         intervals={k: (v[0], v[1], sizes[k]) for k, v in intervals.items()},
         num_fw_steps=F,

@@ -471,6 +471,22 @@ def _warm_start(cg: CostGraph, budget_bytes: int, time_limit_s: float, num_worke
     return {v for v, var in rm.saved.items() if solver.value(var)}
 
 
+def _blockwise(cg: CostGraph, budget_bytes: int, objective: str, time_limit_s: float, forced_saved,
+               forbidden_saved) -> set[str] | None:
+    """The per-block decomposition's plan (:mod:`.blockwise`), if the graph has at least 3 identical
+    blocks and the plan honours the forced and forbidden saves."""
+    from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set
+
+    stack = block_stack(cg)
+    if stack is None or len(stack.blocks) < 3:
+        return None
+    saved = blockwise_saved_set(cg, budget_bytes, block_boundary_set(cg),
+                                lambda n: cost_units(cg, n, objective), time_limit_s=time_limit_s)
+    if saved is None or not set(forced_saved) <= saved or saved & set(forbidden_saved):
+        return None
+    return saved
+
+
 def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
     """Hint every variable with the exact values of the plan that saves ``saved``.
 
@@ -588,9 +604,11 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         Hint CP-SAT with the no-recompute plan if it fits, else with the best of the heuristics and
         (``block_reuse``) the block-uniform plan.
     block_reuse, block_reuse_share :
-        First solve the model where identical repeated blocks (transformer layers) make the same
-        decisions, for this share of the time limit; its plan seeds the full model, which may then
-        treat each block differently. Every plan is still checked by the simulator.
+        Reuse identical repeated blocks (transformer layers): with 3 or more, compose per-block
+        options under the budget (:mod:`remat_compiler.solvers.blockwise`); otherwise (or if that
+        finds nothing) solve the model where identical blocks make the same decisions, for this share
+        of the time limit. Either plan seeds the full model, which may then treat each block
+        differently. Every plan is still checked by the simulator.
     forced_saved, forbidden_saved :
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional
@@ -621,16 +639,23 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         warm = all_saved
     elif warm_start:
         heuristic, _ = best_heuristic_set(cg, budget_bytes)
-        warm = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
-                           deterministic, forced_saved, forbidden_saved, heuristic, objective) \
-            if block_reuse else None
+        composed = None
+        if block_reuse:  # per-block options composed under the budget (many identical blocks)
+            composed = _blockwise(cg, budget_bytes, objective, min(5.0, 0.25 * time_limit_s),
+                                  forced_saved, forbidden_saved)
+        tied = None
+        if block_reuse and composed is None:
+            tied = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
+                               deterministic, forced_saved, forbidden_saved, heuristic, objective)
         known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
-        warm = min([w for w in (warm, heuristic, *known) if w is not None], default=None,
+        warm = min([w for w in (composed, tied, heuristic, *known) if w is not None], default=None,
                    key=lambda w: sum(cost_units(cg, n, objective) for n in build_schedule(cg, w).recomputed))
+    t_build = time.perf_counter()
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
                      objective=objective)
     if warm is not None:
         _hint(rm, cg, warm)
+    t_build = time.perf_counter() - t_build
     total_s = time_limit_s
     share = 0.8 if minimize_peak else 1.0  # the rest goes to the peak-minimising second solve
     solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
@@ -638,7 +663,15 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT model invalid: {rm.model.validate()}")
-    if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
+    if status == cp_model.UNKNOWN and warm is not None:
+        # CP-SAT stopped before reaching the hinted plan (a big graph's presolve): that plan fits
+        saved = set(build_schedule(cg, warm).saved)
+        best_cost = sum(cost_units(cg, n, objective) for n in build_schedule(cg, saved).recomputed) \
+            // rm.cost_gcd
+        bound = solver.best_objective_bound
+        gap = 0.0 if best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
+        model_peak, optimal = simulate(cg, build_schedule(cg, saved)).peak_bytes, False
+    elif status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
         # No plan yet: find the lowest-peak plan; it names the smallest budget, or seeds a second try.
         bound = solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0
         min_peak, proven, low = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
@@ -660,13 +693,15 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                              baseline_peak_bytes=base_peak,
                              extras={"cost_units": cost, "cost_bound_units": bound * rm.cost_gcd,
                                      "objective": objective})
-    saved = {v for v, var in rm.saved.items() if solver.value(var)}
-    best_cost = int(round(solver.objective_value))
-    bound = solver.best_objective_bound
-    optimal = status == cp_model.OPTIMAL
-    gap = 0.0 if optimal or best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
-    model_peak = solver.value(rm.peak) * rm.unit_bytes
-    if minimize_peak:
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        saved = {v for v, var in rm.saved.items() if solver.value(var)}
+        best_cost = int(round(solver.objective_value))
+        bound = solver.best_objective_bound
+        optimal = status == cp_model.OPTIMAL
+        gap = 0.0 if optimal or best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
+        model_peak = solver.value(rm.peak) * rm.unit_bytes
+    # the peak-minimising second solve, if there is time to build its model and search
+    if minimize_peak and total_s - (time.perf_counter() - t0) > 2 * t_build:
         rm2 = build_model(cg, budget_bytes, minimize="peak", max_cost=best_cost * rm.cost_gcd,
                           forced_saved=forced_saved, forbidden_saved=forbidden_saved, objective=objective)
         _hint(rm2, cg, saved)
