@@ -11,6 +11,7 @@ from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import (InfeasibleBudgetError, PlanCheckError, PlanMismatchError, RematError,
                                    UntraceableModelError)
 from remat_compiler.memory import LiveStorageTracker, measure_step_peak
+from remat_compiler import policies
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import SOLVERS, register_solver, solve
 from remat_compiler.trace import trace
@@ -20,5 +21,6 @@ __all__ = [
     "CostGraph", "Plan", "check_plan", "solve", "SOLVERS", "register_solver",
     "Budget", "parse_budget", "human_bytes", "LiveStorageTracker", "measure_step_peak",
     "RematError", "InfeasibleBudgetError", "UntraceableModelError", "PlanMismatchError", "PlanCheckError",
+    "policies",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from remat_compiler.check import check_plan
 from remat_compiler.codegen import emit
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.plan import Plan
+from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.solvers import get_solver, solve
 from remat_compiler.trace import StepFunction, aot_step, flatten_step, run_traced, signature_of, trace
 
@@ -64,8 +66,18 @@ def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
 
 
 def plan_graph(gm: fx.GraphModule, cg: CostGraph, memory_budget=None, *,
-               solver: str | Callable[..., Plan] = "cpsat", **solver_options) -> PlannedGraph:
-    """Solve and check a plan for an analysed graph: the pipeline's ``solve`` and ``check_plan``."""
+               solver: str | Callable[..., Plan] = "cpsat", policy: Policy | None = None,
+               **solver_options) -> PlannedGraph:
+    """Solve and check a plan for an analysed graph: the pipeline's ``solve`` and ``check_plan``.
+
+    ``policy`` (:mod:`remat_compiler.policies`) turns into the solver's ``forced_saved`` and
+    ``forbidden_saved``; a solver that takes neither raises ValueError.
+    """
+    if policy is not None:
+        if "forced_saved" not in inspect.signature(get_solver(solver)).parameters:
+            raise ValueError(f"a policy constrains CP-SAT; solver {solver!r} takes no forced saves "
+                             f"(use solver='cpsat')")
+        solver_options["forced_saved"], solver_options["forbidden_saved"] = apply_policy(cg, policy)
     plan = solve(cg, memory_budget, solver, **solver_options)
     sim = check_plan(cg, plan)
     return PlannedGraph(gm=gm, cg=cg, plan=plan, sim=sim)
@@ -200,7 +212,7 @@ def _sync_across_ranks(planned: PlannedGraph) -> PlannedGraph:
 
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] = "cpsat",
             cost_model: CostModel | None = None, plan: Plan | None = None, hold_outputs: bool = True,
-            **solver_options) -> CompiledModule:
+            policy: Policy | None = None, **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
     Parameters
@@ -218,6 +230,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         Compute rate and bandwidths for the runtime estimate.
     plan : Plan, optional
         Apply this saved plan instead of solving (it must be for the same graph).
+    policy : callable, optional
+        Hard decisions the solver obeys (:mod:`remat_compiler.policies`: ``save_matmuls``,
+        ``save_only(...)``, ``never_save(...)``, ``first_of(...)``), given with ``solver="cpsat"``.
     hold_outputs : bool
         True (default, safe): the caller keeps the model's outputs until backward ends, as in
         ``out = m(x); loss_fn(out, y).backward()``; they count to the end of the step. False: the
@@ -246,4 +261,6 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     get_solver(solver)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
+    if policy is not None:
+        solver_options["policy"] = policy
     return CompiledModule(model, budget, solver, cost_model, plan, solver_options, hold_outputs)
