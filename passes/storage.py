@@ -5,9 +5,7 @@ alias names its base), ``meta["remat.bytes"]`` (the storage's bytes on the node 
 aliases and non-tensors) and ``meta["remat.tuple"]`` (a multi-output node; its tensors belong to
 its ``getitem`` users, except outputs nobody takes, whose bytes the multi-output node owns: they
 live until its last ``getitem`` is read). Aliasing is read from the FakeTensors' storage identity, so every view op,
-``detach`` and ``_unsafe_view`` is handled without a list of op names. A collective's ``wait_tensor``
-gets ``meta["remat.holds"]``: the collective's tensor inputs, which the process group may keep alive
-until the wait (gloo's all-to-all does), so liveness treats the wait as one more reader of them.
+``detach`` and ``_unsafe_view`` is handled without a list of op names.
 
 A FakeTensor's storage is exactly what its shape needs; a real kernel may allocate more. Scalar
 results are where that happens (CPU ``mse_loss`` returns its 4-byte loss as a view into a buffer the
@@ -23,12 +21,11 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "STORAGE", "BYTES", "TUPLE", "HOLDS"]
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "STORAGE", "BYTES", "TUPLE"]
 
 STORAGE = "remat.storage"
 BYTES = "remat.bytes"
 TUPLE = "remat.tuple"
-HOLDS = "remat.holds"
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -52,9 +49,6 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
         if _returns_input(n):  # wait_tensor hands back its input's storage at run time
             src = n.args[0]
             n.meta[STORAGE], n.meta[BYTES] = src.meta.get(STORAGE), 0
-            # the process group may hold the collective's inputs until its work completes (gloo does)
-            n.meta[HOLDS] = [a.name for a in src.all_input_nodes
-                             if isinstance(a.meta.get("val"), torch.Tensor)]
             if isinstance(val, torch.Tensor):
                 owner.setdefault(StorageWeakRef(val.untyped_storage()), src.meta.get(STORAGE))
         elif isinstance(val, torch.Tensor):

@@ -1,7 +1,6 @@
 """CostGraph: the joint graph as a networkx DiGraph with per-node memory and compute costs.
 
-Nodes are the joint graph's node names; an edge ``u -> v`` means v reads u (or keeps it alive: a
-collective's ``wait_tensor`` and the inputs the collective holds until it, ``remat.holds``). Node attributes come from
+Nodes are the joint graph's node names; an edge ``u -> v`` means v reads u. Node attributes come from
 the passes' ``remat.*`` meta keys:
 
 =================  =====================================================================
@@ -100,8 +99,6 @@ class CostGraph:
             )
             for a in n.all_input_nodes:
                 g.add_edge(a.name, n.name)
-            for held in n.meta.get("remat.holds", ()):  # inputs a collective holds until its wait
-                g.add_edge(held, n.name)
         g.graph["block_container"] = gm.meta.get("remat.block_container")
         g.graph["hold_outputs"] = bool(hold_outputs)
         cg = cls(g)
