@@ -71,3 +71,20 @@ def test_a_policy_needs_cpsat():
     model, x, _, cg = _setup()
     with pytest.raises(ValueError, match="cpsat"):
         _train(model, x, memory_budget=None, solver="save_all", policy=save_matmuls)
+
+
+def test_an_infeasible_budget_under_a_policy_names_the_smallest_budget_with_it():
+    from remat_compiler.errors import InfeasibleBudgetError
+    from remat_compiler.solvers.cpsat import min_feasible_peak
+
+    model, x, _, cg = _setup()
+    free, free_proven, _ = min_feasible_peak(cg, **FAST)
+    forced, forbidden = apply_policy(cg, save_matmuls)
+    kept, kept_proven, saved = min_feasible_peak(cg, forced_saved=forced, forbidden_saved=forbidden, **FAST)
+    assert free_proven and kept_proven
+    assert kept > free and set(forced) <= set(saved)  # keeping every matmul output costs memory
+    with pytest.raises(InfeasibleBudgetError) as err:
+        _train(model, x, memory_budget=kept - 1, policy=save_matmuls, **FAST)
+    assert err.value.min_feasible_bytes == kept
+    plan, _ = _train(model, x, memory_budget=kept, policy=save_matmuls, **FAST)
+    assert plan.peak_bytes <= kept

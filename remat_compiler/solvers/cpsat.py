@@ -482,9 +482,13 @@ def _blockwise(cg: CostGraph, budget_bytes: int, objective: str, time_limit_s: f
         return None
     saved = blockwise_saved_set(cg, budget_bytes, block_boundary_set(cg),
                                 lambda n: cost_units(cg, n, objective), time_limit_s=time_limit_s)
-    if saved is None or not set(forced_saved) <= saved or saved & set(forbidden_saved):
-        return None
-    return saved
+    return saved if saved is not None and _complies(saved, forced_saved, forbidden_saved) else None
+
+
+def _complies(saved, forced_saved, forbidden_saved) -> bool:
+    """Whether a saved set honours the forced and forbidden saves of a policy."""
+    saved = set(saved)
+    return set(forced_saved) <= saved and not saved & set(forbidden_saved)
 
 
 def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
@@ -551,10 +555,11 @@ def _is_const(var) -> bool:
 
 
 def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers: int | None = None,
-                      deterministic: bool = False) -> tuple[int, bool, list[str]]:
-    """The smallest feasible budget: the least peak of any plan (bytes), whether that is proven
-    optimal, and a saved set reaching it."""
-    rm = build_model(cg, None, minimize="peak")
+                      deterministic: bool = False, forced_saved=(), forbidden_saved=()
+                      ) -> tuple[int, bool, list[str]]:
+    """The smallest feasible budget: the least peak of any plan (bytes) that saves ``forced_saved``
+    and none of ``forbidden_saved``, whether that is proven optimal, and a saved set reaching it."""
+    rm = build_model(cg, None, minimize="peak", forced_saved=forced_saved, forbidden_saved=forbidden_saved)
     hints = []
     try:
         S = block_boundary_set(cg)
@@ -568,7 +573,8 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
     saved = [v for v, var in rm.saved.items() if solver.value(var)]
     peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
-    known = [(p, S) for S, p in _KNOWN_PLANS.get(cg.fingerprint, ()) if p < peak]
+    known = [(p, S) for S, p in _KNOWN_PLANS.get(cg.fingerprint, ())
+             if p < peak and _complies(S, forced_saved, forbidden_saved)]
     if status != cp_model.OPTIMAL and known:  # an earlier solve already reached lower
         peak, low = min(known, key=lambda k: k[0])
         saved = sorted(low)
@@ -636,7 +642,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
     warm = None
     if budget_bytes is None or base_peak <= budget_bytes:
-        warm = all_saved
+        warm = all_saved if _complies(all_saved, forced_saved, forbidden_saved) else None
     elif warm_start:
         heuristic, _ = best_heuristic_set(cg, budget_bytes)
         composed = None
@@ -648,7 +654,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
             tied = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
                                deterministic, forced_saved, forbidden_saved, heuristic, objective)
         known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
-        warm = min([w for w in (composed, tied, heuristic, *known) if w is not None], default=None,
+        warm = min([w for w in (composed, tied, heuristic, *known)
+                    if w is not None and _complies(w, forced_saved, forbidden_saved)], default=None,
                    key=lambda w: sum(cost_units(cg, n, objective) for n in build_schedule(cg, w).recomputed))
     t_build = time.perf_counter()
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
@@ -675,7 +682,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         # No plan yet: find the lowest-peak plan; it names the smallest budget, or seeds a second try.
         bound = solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0
         min_peak, proven, low = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
-                                                  deterministic=deterministic)
+                                                  deterministic=deterministic, forced_saved=forced_saved,
+                                                  forbidden_saved=forbidden_saved)
         if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
             raise InfeasibleBudgetError(budget_bytes, min_peak, proven=proven)
         rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
