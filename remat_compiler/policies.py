@@ -45,25 +45,25 @@ def save_matmuls(cg: CostGraph, name: str) -> Decision:
     return "save" if cg.attr(name, "op") in MATMUL_OPS else None
 
 
+def _by_pattern(patterns: tuple[str, ...], matched: Decision, other: Decision) -> Policy:
+    def policy(cg: CostGraph, name: str) -> Decision:
+        return matched if _matches(cg, name, patterns) else other
+    return policy
+
+
 def save(*patterns: str) -> Policy:
     """Keep the values whose name, op or module path matches a pattern (``"*.attn.c_attn"``)."""
-    def policy(cg: CostGraph, name: str) -> Decision:
-        return "save" if _matches(cg, name, patterns) else None
-    return policy
+    return _by_pattern(patterns, "save", None)
 
 
 def save_only(*patterns: str) -> Policy:
     """Keep the matching values and no other (the rest is recomputed where backward needs it)."""
-    def policy(cg: CostGraph, name: str) -> Decision:
-        return "save" if _matches(cg, name, patterns) else "recompute"
-    return policy
+    return _by_pattern(patterns, "save", "recompute")
 
 
 def never_save(*patterns: str) -> Policy:
     """Never keep the matching values (``"aten.gelu*"``, ``"transformer.h.*.mlp"``)."""
-    def policy(cg: CostGraph, name: str) -> Decision:
-        return "recompute" if _matches(cg, name, patterns) else None
-    return policy
+    return _by_pattern(patterns, "recompute", None)
 
 
 def first_of(*policies: Policy) -> Policy:

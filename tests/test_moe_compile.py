@@ -16,6 +16,7 @@ import remat_compiler
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoELayer
 from remat_compiler.moe.strategies import fused_combine_mode, moe_segments
+from tiny_models import tiny_mixtral
 
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64
 CFG = worker.CONFIG
@@ -243,14 +244,7 @@ MIXTRAL_CPSAT = dict(time_limit_s=3, num_workers=2, minimize_peak=False)
 
 
 def make_mixtral():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
-        use_cache=False, router_jitter_noise=0.0, attention_dropout=0.0)
-    config._attn_implementation = "eager"
-    return transformers.MixtralForCausalLM(config).train()
+    return tiny_mixtral(num_local_experts=8)
 
 
 MIXTRAL_IDS = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
