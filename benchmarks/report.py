@@ -1,7 +1,8 @@
 """RESULTS.md and the Pareto pictures, from the per-workload result documents of :mod:`benchmarks.bench`.
 
-Everything here reads finished results; files are written atomically (temporary file, then
-``os.replace``), pictures with :func:`remat_compiler.viz.save_figure`.
+Everything here reads finished results; text files are written atomically with
+:func:`remat_compiler.plan.atomic_write_text` (re-exported here), pictures with
+:func:`remat_compiler.viz.save_figure`.
 
 >>> text = render_results([result_gpt2, result_mixtral])        # doctest: +SKIP
 >>> plot_pareto_measured(result_gpt2, "benchmarks/pareto_gpt2.png")  # doctest: +SKIP
@@ -9,13 +10,13 @@ Everything here reads finished results; files are written atomically (temporary 
 from __future__ import annotations
 
 import os
-import tempfile
 import textwrap
 from typing import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from remat_compiler.plan import atomic_write_text
 from remat_compiler.viz import note_cell, save_figure
 
 __all__ = ["TABLE_HEADER", "PEER_STRATEGIES", "atomic_write_text", "format_rows", "check_targets",
@@ -30,30 +31,6 @@ TABLE_HEADER = ("| workload | strategy | setting | budget (MiB) | measured peak 
 ISSUE_TARGETS = {"gpt2": {"lowest_peak_mib": 45.0, "flop_target": 1.10, "flop_target_peak_mib": 60.0}}
 #: Strategies a remat_compiler point is set against (at that strategy's measured peak).
 PEER_STRATEGIES = ("eager", "checkpoint", "torch.compile", "moe_origin", "moe_fast", "moe_custom")
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> str:
-    """Write ``text`` so that readers see the old file or the whole new one, never a part.
-
-    Returns
-    -------
-    str
-        The absolute path written.
-    """
-    path = os.path.abspath(os.fspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def _mib(n) -> str:
