@@ -22,8 +22,9 @@ The cumulative's load at a node's time is what the emitted code holds while that
 allocates its output while its inputs are live; values are freed after their last reader), so the
 optimum is the best plan by the simulator's exact peak. ``last`` is only bounded below (a later end is
 allowed and never helps), so every plan found fits when simulated. Objective: minimise the recompute
-cost (roofline runtime in integer nanoseconds, communication included); a second solve then minimises
-the peak at that cost, so a larger budget never gives a plan with a larger peak for nothing.
+cost (:func:`cost_units`: roofline runtime in integer nanoseconds, communication included, or counted
+FLOPs); a second solve then minimises the peak at that cost, so a larger budget never gives a plan
+with a larger peak for nothing.
 """
 from __future__ import annotations
 
