@@ -645,7 +645,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if budget_bytes is None or base_peak <= budget_bytes:
         warm = all_saved if _complies(all_saved, forced_saved, forbidden_saved) else None
     elif warm_start:
-        heuristic, _ = best_heuristic_set(cg, budget_bytes)
+        heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective))
         composed = None
         if block_reuse:  # per-block options composed under the budget (many identical blocks)
             composed = _blockwise(cg, budget_bytes, objective, min(5.0, 0.25 * time_limit_s),

@@ -15,72 +15,91 @@ from remat_compiler.schedule import build_schedule, save_all_set, simulate
 __all__ = ["greedy_saved_set", "fill_saved_set", "best_heuristic_set", "solve_greedy"]
 
 
-def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12) -> tuple[set[str], int]:
+def _runtime(cg: CostGraph):
+    return lambda n: cg.attr(n, "runtime_s")
+
+
+def _recompute_cost(cg: CostGraph, schedule, cost_of) -> float:
+    return sum(cost_of(n) for n in schedule.recomputed)
+
+
+def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12,
+                     cost_of=None) -> tuple[set[str], int]:
     """A saved set whose simulated peak is as close to ``budget_bytes`` as greedy gets.
 
     Each round looks at the saved values live at the current peak step, tries dropping the ``width``
     cheapest per byte, and keeps the drop with the smallest marginal recompute cost (the whole
     recompute chain it causes, from the simulator) per byte the peak goes down.
 
-    Returns the saved set and its simulated peak (above the budget if greedy got stuck).
+    ``cost_of(node)`` is the recompute cost (default: the runtime estimate). Returns the saved set and
+    its simulated peak (above the budget if greedy got stuck).
     """
+    cost_of = cost_of or _runtime(cg)
     saved = set(save_all_set(cg))
-    sim = simulate(cg, build_schedule(cg, saved))
+    schedule = build_schedule(cg, saved)
+    sim, cost = simulate(cg, schedule), _recompute_cost(cg, schedule, cost_of)
     while sim.peak_bytes > budget_bytes:
         t = sim.peak_time
         live = [v for v in saved if not cg.attr(v, "never_recompute")
                 and sim.times[(v, "fw")][0] <= t <= sim.times[(v, "fw")][1]]
-        live.sort(key=lambda v: (cg.attr(v, "runtime_s") / cg.attr(v, "bytes"), cg.attr(v, "order")))
+        live.sort(key=lambda v: (cost_of(v) / cg.attr(v, "bytes"), cg.attr(v, "order")))
         best = None
         for v in live[:width]:
             trial = saved - {v}
-            trial_sim = simulate(cg, build_schedule(cg, trial))
+            trial_schedule = build_schedule(cg, trial)
+            trial_sim = simulate(cg, trial_schedule)
             freed = sim.load_at(t) - trial_sim.load_at(t)
             if freed <= 0 or trial_sim.peak_bytes > sim.peak_bytes:
                 continue
-            score = (trial_sim.recompute_s - sim.recompute_s) / freed
+            trial_cost = _recompute_cost(cg, trial_schedule, cost_of)
+            score = (trial_cost - cost) / freed
             if best is None or score < best[0]:
-                best = (score, trial, trial_sim)
+                best = (score, trial, trial_sim, trial_cost)
         if best is None:
             break
-        saved, sim = best[1], best[2]
+        _, saved, sim, cost = best
     return set(build_schedule(cg, saved).saved), sim.peak_bytes
 
 
-def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None) -> tuple[set[str], int]:
+def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
+                   cost_of=None) -> tuple[set[str], int]:
     """Grow a fitting saved set: save more values, densest recompute saving per byte first.
 
     Starting from ``start`` (e.g. the per-block checkpoint plan), each group of candidates (one
     candidate, or the same value in every identical block) that is recomputed is tried once; it is
-    kept saved if the simulated peak stays within the budget and the recompute cost drops. Returns
-    the saved set and its simulated peak.
+    kept saved if the simulated peak stays within the budget and the recompute cost (``cost_of``,
+    default the runtime estimate) drops. Returns the saved set and its simulated peak.
     """
+    cost_of = cost_of or _runtime(cg)
     saved = set(start)
-    sim = simulate(cg, build_schedule(cg, saved))
+    schedule = build_schedule(cg, saved)
+    sim, cost = simulate(cg, schedule), _recompute_cost(cg, schedule, cost_of)
     if sim.peak_bytes > budget_bytes:
         return saved, sim.peak_bytes
     if groups is None:
         groups = [[v] for v in cg.candidates]
     groups = [[v for v in g if v not in saved] for g in groups]
     order = sorted((g for g in groups if g),
-                   key=lambda g: (-cg.attr(g[0], "runtime_s") / cg.attr(g[0], "bytes"),
-                                  cg.attr(g[0], "order")))
+                   key=lambda g: (-cost_of(g[0]) / cg.attr(g[0], "bytes"), cg.attr(g[0], "order")))
     for group in order:
         trial = saved | set(group)
         schedule = build_schedule(cg, trial)
         if not set(group) & set(schedule.saved):
             continue
         trial_sim = simulate(cg, schedule)
-        if trial_sim.peak_bytes <= budget_bytes and trial_sim.recompute_s < sim.recompute_s:
-            saved, sim = set(schedule.saved), trial_sim
+        trial_cost = _recompute_cost(cg, schedule, cost_of)
+        if trial_sim.peak_bytes <= budget_bytes and trial_cost < cost:
+            saved, sim, cost = set(schedule.saved), trial_sim, trial_cost
     return saved, sim.peak_bytes
 
 
-def best_heuristic_set(cg: CostGraph, budget_bytes: int) -> tuple[set[str] | None, int]:
-    """The cheapest fitting saved set among the heuristics (drop from save-all, fill from checkpoints).
+def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None) -> tuple[set[str] | None, int]:
+    """The cheapest fitting saved set among the heuristics (drop from save-all, fill from checkpoints),
+    by ``cost_of`` (default: the runtime estimate).
 
     Returns ``(None, lowest peak seen)`` when none fits.
     """
+    cost_of = cost_of or _runtime(cg)
     from remat_compiler.solvers.basic import block_boundary_set
 
     from remat_compiler.solvers.cpsat import block_classes
@@ -92,12 +111,12 @@ def best_heuristic_set(cg: CostGraph, budget_bytes: int) -> tuple[set[str] | Non
     classes = block_classes(cg) if start is not None else []
     found = []
     if classes:  # identical blocks: fill a value in every block at once (few, cheap simulations)
-        found.append(fill_saved_set(cg, budget_bytes, start, groups=classes))
+        found.append(fill_saved_set(cg, budget_bytes, start, groups=classes, cost_of=cost_of))
     else:  # the per-value heuristics simulate once per candidate: fine without repeated blocks
         if start is not None:
-            found.append(fill_saved_set(cg, budget_bytes, start))
-        found.append(greedy_saved_set(cg, budget_bytes))
-    fitting = [(simulate(cg, build_schedule(cg, S)).recompute_s, peak, S) for S, peak in found
+            found.append(fill_saved_set(cg, budget_bytes, start, cost_of=cost_of))
+        found.append(greedy_saved_set(cg, budget_bytes, cost_of=cost_of))
+    fitting = [(_recompute_cost(cg, build_schedule(cg, S), cost_of), peak, S) for S, peak in found
                if peak <= budget_bytes]
     if not fitting:
         return None, min(peak for _, peak in found)
