@@ -238,8 +238,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         ``out = m(x); loss_fn(out, y).backward()``; they count to the end of the step. False: the
         caller lets go of them before backward except the scalar loss it calls ``backward()`` on
         (``m(x, labels=y).loss.backward()`` drops the logits); the plan then frees, keeps or
-        recomputes them like any other value. If a caller that said
-        False holds them anyway, the step peaks above the plan by up to their size.
+        recomputes them like any other value. If a caller that said False holds them anyway, the
+        step peaks above the plan by up to their size.
     **solver_options :
         Passed to the solver (``time_limit_s``, ``num_workers``...).
 

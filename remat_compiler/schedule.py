@@ -12,16 +12,15 @@ implements and this module simulates:
 
 Memory is counted per node: each node allocates its output while its inputs are live (a multi-output
 op all the outputs it returns), and a value is freed right after its last reader (as fx's generated
-code does). Steps group nodes: forward step ``i``
-runs the i-th forward node; backward step ``F + j`` runs the recomputations the j-th backward node
-needs and then that node. Every node run also has a *time* on one integer axis, which is what the
-CP-SAT model uses: forward node ``i`` runs at time ``i``; in backward step ``j`` the recomputation of
-forward node ``i`` runs at ``F + j*K + i`` and the backward node at ``F + j*K + F`` (``K = F + 1``
-slots per step). A value is live from the time of the node that allocates it through the time of its
-last reader, so the live bytes at a node's time are exactly what the emitted code holds while that
-node runs. The step-level view (a value live from its allocating step through its last reading step)
-is kept for pictures. Parameters and inputs are resident before the step
-and not counted; tangents appear at the first backward step; parameter gradients, the caller's
+code does). Steps group nodes: forward step ``i`` runs the i-th forward node; backward step ``F + j``
+runs the recomputations the j-th backward node needs and then that node. Every node run also has a
+*time* on one integer axis, which is what the CP-SAT model uses (:func:`bw_time`): forward node ``i``
+runs at time ``i``; in backward step ``j`` the recomputation of forward node ``i`` runs at
+``F + j*(F+1) + i`` and the backward node at ``F + j*(F+1) + F``. A value is live from the time of the
+node that allocates it through the time of its last reader, so the live bytes at a node's time are
+exactly what the emitted code holds while that node runs. The step-level view (a value live from its
+allocating step through its last reading step) is kept for pictures. Parameters and inputs are
+resident before the step and not counted; tangents appear at the first backward step; parameter gradients, the caller's
 outputs and the gradients autograd passes in (a scalar loss's seed; every output's gradient when the
 loss is computed outside) stay live to the end. Memory that code outside the compiled
 module allocates (a loss computed outside it) is not part of the plan.
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import PlanCheckError
 
-__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set"]
+__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "bw_time"]
 
 
 @dataclass
@@ -105,6 +104,16 @@ class SimResult:
     def load_at(self, time: int) -> int:
         """Live bytes at a node-level time."""
         return sum(self.intervals[k][2] for k in self.live_at(time))
+
+
+def bw_time(num_fw: int, step, slot=None):
+    """Time of a node run in backward step ``step`` (0-based): the recomputation of forward node
+    ``slot``, or the backward node itself when ``slot`` is None. Works on ints and CP-SAT expressions.
+
+    >>> bw_time(3, 0, 1), bw_time(3, 0), bw_time(3, 1, 0)
+    (4, 6, 7)
+    """
+    return num_fw + step * (num_fw + 1) + (num_fw if slot is None else slot)
 
 
 def _is_getitem(cg: CostGraph, n: str) -> bool:
@@ -213,8 +222,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     """
     F = len(schedule.fw)
     end = F + len(schedule.bw) - 1
-    K = F + 1
-    last_time = F + len(schedule.bw) * K - 1
+    last_time = bw_time(F, len(schedule.bw) - 1)
     fw_index = cg.fw_index
     recomputed = set(schedule.recomputed)
     saved = set(schedule.saved)
@@ -250,7 +258,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         if kind == "fw":
             time = step
         else:
-            time = F + (step - F) * K + (fw_index[n] if kind == "rc" else F)
+            time = bw_time(F, step - F, fw_index[n] if kind == "rc" else None)
         order.append(n)
         times.append(time)
         for p in cg.preds(n):
@@ -286,8 +294,8 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             run(r, step, "rc")
         run(b, step, "bw")
     last_ev = clock["ev"] - 1
-    # held to the end: the caller's outputs (unless it drops them), the gradients backward returns, and the gradients
-    # autograd's engine passes in (it holds them until backward returns). When the model returns a
+    # held to the end: the caller's outputs (unless it drops them), the gradients backward returns,
+    # and the gradients autograd's engine passes in (it holds them until backward returns). When the model returns a
     # scalar (its loss), that seed is the only real gradient: AOTAutograd makes zeros for the other
     # outputs and frees them after their last use. Otherwise a loss outside feeds every output.
     seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()] or list(cg.tangents)
@@ -308,7 +316,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     return SimResult(
         peak_bytes=peak,
         step_peak_bytes=step_peak,
-        peak_step=peak_time if peak_time < F else F + (peak_time - F) // K,
+        peak_step=peak_time if peak_time < F else F + (peak_time - F) // (F + 1),
         peak_node=order[peak_ev] if order else None,
         peak_time=peak_time,
         times={k: (v[4], v[5]) for k, v in intervals.items()},

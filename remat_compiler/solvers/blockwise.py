@@ -29,7 +29,7 @@ from ortools.sat.python import cp_model
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import build_schedule, simulate
 
-__all__ = ["BlockStack", "block_stack", "blockwise_saved_set"]
+__all__ = ["BlockStack", "identical_blocks", "block_stack", "blockwise_saved_set"]
 
 @dataclass
 class BlockStack:
@@ -42,8 +42,9 @@ class BlockStack:
     positions: list[tuple[str, ...]]
 
 
-def block_stack(cg: CostGraph) -> BlockStack | None:
-    """The graph's largest group of identical blocks (same ops, shapes, dtypes), or None."""
+def identical_blocks(cg: CostGraph) -> list[BlockStack]:
+    """Every group of 2 or more identical blocks (``remat.block``s whose forward nodes have the same
+    ops, shapes and dtypes in the same order), largest first, with their aligned candidates."""
     nodes: dict[str, list[str]] = {}
     for n in cg.fw_order:
         b = cg.attr(n, "block")
@@ -53,14 +54,19 @@ def block_stack(cg: CostGraph) -> BlockStack | None:
     for b, ns in nodes.items():
         sig = tuple((cg.attr(n, "op"), cg.attr(n, "shape"), cg.attr(n, "dtype")) for n in ns)
         groups.setdefault(sig, []).append(b)
-    if not groups:
-        return None
-    blocks = max(groups.values(), key=len)
-    if len(blocks) < 2:
-        return None
     cand = set(cg.candidates)
-    positions = [p for p in zip(*(nodes[b] for b in blocks)) if all(v in cand for v in p)]
-    return BlockStack(blocks=blocks, positions=positions)
+    stacks = []
+    for blocks in sorted(groups.values(), key=len, reverse=True):
+        if len(blocks) >= 2:
+            positions = [p for p in zip(*(nodes[b] for b in blocks)) if all(v in cand for v in p)]
+            stacks.append(BlockStack(blocks=blocks, positions=positions))
+    return stacks
+
+
+def block_stack(cg: CostGraph) -> BlockStack | None:
+    """The graph's largest group of identical blocks, or None."""
+    stacks = identical_blocks(cg)
+    return stacks[0] if stacks else None
 
 
 class _LocalBlock:

@@ -2,9 +2,10 @@
 
 Model (Moccasin-style, O(nodes + edges) variables). Steps: forward steps ``0..F-1``, one per forward
 node, then backward steps ``0..B-1``, one per backward node (the simulator's steps, see
-:mod:`remat_compiler.schedule`). Memory lives on the simulator's node-level time axis: forward node
-``i`` at time ``i``; in backward step ``j``, a recomputation of forward node ``i`` at
-``F + j*K + i`` and the backward node at ``F + j*K + F`` (``K = F + 1``).
+:mod:`remat_compiler.schedule`). Memory lives on the simulator's node-level time axis
+(:func:`~remat_compiler.schedule.bw_time`): forward node ``i`` at time ``i``; in backward step ``j``,
+a recomputation of forward node ``i`` at ``F + j*(F+1) + i`` and the backward node at
+``F + j*(F+1) + F``.
 
 - ``s[v]`` (candidates only): v is saved from the forward;
 - ``r[v]``: v is recomputed in backward (0 for random / mutating ops); ``n[v]``: backward needs v,
@@ -14,7 +15,7 @@ node, then backward steps ``0..B-1``, one per backward node (the simulator's ste
   (a backward node, directly or through a view, or a recomputation);
 - memory: one ``add_cumulative`` over every value's live interval. A candidate's forward interval is
   fixed; saving it adds the optional interval ``[end of forward use + 1, last[v]]``; recomputing it
-  adds ``[F + st[v]*K + i, last[v]]`` (i: the op's forward index; a multi-output op's outputs all
+  adds ``[bw_time(F, st[v], i), last[v]]`` (i: the op's forward index; a multi-output op's outputs all
   start at the op's). Everything the plan does not change (tangents, backward values,
   outputs) enters as fixed intervals. Its capacity is the peak variable, at most the budget.
 
@@ -39,8 +40,9 @@ from ortools.sat.python import cp_model
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
-from remat_compiler.schedule import build_schedule, save_all_set, simulate
+from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
 from remat_compiler.solvers.basic import block_boundary_set
+from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 
 __all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
@@ -219,10 +221,8 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         else:
             m.add(st[v] == first[v])
 
-    # memory, on the simulator's node-level time axis: forward node i at time i; in backward step j,
-    # the recomputation of forward node i at F + j*K + i and the backward node at F + j*K + F.
-    K = F + 1
-    t_end = F + B * K - 1
+    # memory, on the simulator's node-level time axis (forward node i at time i, then bw_time)
+    t_end = bw_time(F, B - 1)
     idx = cg.fw_index
     intervals, demands = [], []
     aux: dict[str, dict] = {}
@@ -238,13 +238,13 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         if v not in in_m:
             continue
         lo = bw_reads.get(v, -1)
-        last = m.new_int_var(F + lo * K + F if lo >= 0 else F, t_end, f"last_{v}")
+        last = m.new_int_var(bw_time(F, lo) if lo >= 0 else F, t_end, f"last_{v}")
         for u in rc_readers.get(v, ()):
             if u in in_m and u != v:
-                m.add(last >= F + idx[u] + K * st[u]).only_enforce_if(r[u])
+                m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
         at = _alloc_index(cg, v)
-        rc_start = m.new_int_var(F + at, F + at + K * (B - 1), f"rcs_{v}")
-        m.add(rc_start == F + at + K * st[v])
+        rc_start = m.new_int_var(bw_time(F, 0, at), bw_time(F, B - 1, at), f"rcs_{v}")
+        m.add(rc_start == bw_time(F, st[v], at))
         m.add(last >= rc_start).only_enforce_if(r[v])
         aux[v] = {"last": last}
         # saved: [e+1, last]
@@ -266,8 +266,8 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     for v in M:  # a recomputed multi-output op's untaken outputs, live while its getitems are taken
         if cg.attr(v, "is_tuple") and cg.attr(v, "bytes") > 0 and v not in cand_set:
             span = max([idx[u] for u in cg.g.successors(v) if u in in_m], default=idx[v]) - idx[v] + 1
-            start = m.new_int_var(F + idx[v], F + idx[v] + K * (B - 1), f"tups_{v}")
-            m.add(start == F + idx[v] + K * st[v])
+            start = m.new_int_var(bw_time(F, 0, idx[v]), bw_time(F, B - 1, idx[v]), f"tups_{v}")
+            m.add(start == bw_time(F, st[v], idx[v]))
             intervals.append(m.new_optional_fixed_size_interval_var(start, span, r[v], f"tup_{v}"))
             demands.append(cg.attr(v, "bytes") // unit)
     fixed_peak = base.peak_bytes
@@ -340,11 +340,10 @@ def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_
     certainly live between its first and last direct backward read (saved or recomputed, backward
     needs it there), and before that whenever it is saved; a saved value backward reads only through
     recomputation is live at least until the earliest step one of its readers can be recomputed
-    (``reach``), so at the backward nodes before it. All are lower bounds of the cumulative's load at those times, so adding them removes
-    no plan.
+    (``reach``), so at the backward nodes before it. All are lower bounds of the cumulative's load at
+    those times, so adding them removes no plan.
     """
-    K = F + 1
-    points = list(range(F)) + [F + j * K + F for j in range(B)]  # sorted times of fw and bw nodes
+    points = list(range(F)) + [bw_time(F, j) for j in range(B)]  # sorted times of fw and bw nodes
     T = len(points)
     fixed_prof = [0] * (T + 1)
     for a, z, size in fixed:
@@ -430,24 +429,7 @@ def block_classes(cg: CostGraph) -> list[list[str]]:
     Blocks (``remat.block``) whose forward nodes have the same ops, shapes and dtypes in the same
     order are identical; the i-th candidate of each forms one class. Empty if there are none.
     """
-    blocks: dict[str, list[str]] = {}
-    for n in cg.fw_order:
-        b = cg.attr(n, "block")
-        if b is not None:
-            blocks.setdefault(b, []).append(n)
-    groups: dict[tuple, list[list[str]]] = {}
-    for b, nodes in blocks.items():
-        sig = tuple((cg.attr(n, "op"), cg.attr(n, "shape"), cg.attr(n, "dtype")) for n in nodes)
-        groups.setdefault(sig, []).append(nodes)
-    cand = set(cg.candidates)
-    classes = []
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        for position in zip(*members):
-            if all(v in cand for v in position):
-                classes.append(list(position))
-    return classes
+    return [list(p) for stack in identical_blocks(cg) for p in stack.positions]
 
 
 def _warm_start(cg: CostGraph, budget_bytes: int, time_limit_s: float, num_workers, deterministic,
@@ -476,8 +458,6 @@ def _blockwise(cg: CostGraph, budget_bytes: int, objective: str, time_limit_s: f
                forbidden_saved) -> set[str] | None:
     """The per-block decomposition's plan (:mod:`.blockwise`), if the graph has at least 3 identical
     blocks and the plan honours the forced and forbidden saves."""
-    from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set
-
     stack = block_stack(cg)
     if stack is None or len(stack.blocks) < 3:
         return None
@@ -530,10 +510,9 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
         m.add_hint(var, first[v])
     for v, var in rm.start.items():
         m.add_hint(var, step_of.get(v, first[v]))
-    K = F + 1
     for v, a in rm.aux.items():
         st = step_of.get(v, first[v])
-        rc_start = F + _alloc_index(cg, v) + K * st
+        rc_start = bw_time(F, st, _alloc_index(cg, v))
         if v in saved:
             last = sim.times[(v, "fw")][1]
         elif v in step_of:
