@@ -91,14 +91,16 @@ def _figure(width_in: float = 9.0, height_in: float = 4.8) -> Figure:
 # ---------------------------------------------------------------------------- timeline
 def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | None,
                   path: str | os.PathLike) -> str:
-    """Draw live activation memory per step, forward then backward, for each plan.
+    """Draw live activation memory per node run, forward then backward, for each plan.
 
     Parameters
     ----------
     cg : CostGraph
         The graph every plan was made for.
     plans : dict[str, Plan]
-        Legend label -> plan; each profile is ``simulate(cg, build_schedule(cg, plan.saved)).profile``.
+        Legend label -> plan; each curve is the live bytes while each node runs
+        (``simulate(cg, build_schedule(cg, plan.saved)).events``), the profile the plan's peak and
+        the solver's budget refer to.
     budget_bytes : int or None
         Drawn as a horizontal line when given.
     path : str or PathLike
@@ -124,9 +126,9 @@ def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | Non
     for rank, (label, plan) in enumerate(plans.items()):
         plan.check_applies_to(cg)
         sim = simulate(cg, build_schedule(cg, plan.saved))
-        num_fw = sim.num_fw_steps
-        mib = [b / _MIB for b in sim.profile]
-        # one extra point so the last step is drawn as wide as the others; the first plan on top
+        num_fw = sim.num_fw_steps  # the first events are the forward nodes, one each
+        mib = [b / _MIB for _node, b in sim.events]
+        # one extra point so the last node is drawn as wide as the others; the first plan on top
         ax.plot(range(len(mib) + 1), mib + mib[-1:], drawstyle="steps-post", linewidth=1.8,
                 zorder=3 + len(plans) - rank, label=f"{label}: peak {human_bytes(sim.peak_bytes)}")
     ax.axvline(num_fw, color="0.3", linestyle=":", linewidth=1.2)
@@ -136,7 +138,7 @@ def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | Non
     if budget_bytes is not None:
         ax.axhline(budget_bytes / _MIB, color="crimson", linestyle="--", linewidth=1.2,
                    label=f"budget {human_bytes(budget_bytes)}")
-    ax.set_xlabel("step (forward nodes, then backward nodes with their recomputation)")
+    ax.set_xlabel("node run (forward nodes, then backward nodes and their recomputations)")
     ax.set_ylabel("live activation memory (MiB)")
     ax.set_title("Memory over one training step")
     ax.set_ylim(bottom=0)
