@@ -60,7 +60,7 @@ def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     """Trace and annotate a model's step: the first three pipeline steps (``hold_outputs``: see
     :func:`compile`)."""
     with prepared(model, solver):
-        traced = trace(model, args, kwargs)
+        traced = trace(model, args, kwargs, loss_only=not hold_outputs)
     gm = run_passes(traced.joint, num_fwd_outputs=traced.num_fwd_outputs, cost_model=cost_model)
     return gm, CostGraph.from_graph_module(gm, hold_outputs=hold_outputs)
 
@@ -179,7 +179,7 @@ class CompiledModule(torch.nn.Module):
             return self._orig_mod(*args, **kwargs)
         key = self._key(args, kwargs)
         entry = self._entries.get(key)
-        step, flat = flatten_step(self._orig_mod, args, kwargs)
+        step, flat = flatten_step(self._orig_mod, args, kwargs, loss_only=not self._hold_outputs)
         if entry is None:
             entry = _Entry(step=step, fn=None)
             entry.fn = aot_step(step, self._partition(entry))
@@ -238,8 +238,10 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         ``out = m(x); loss_fn(out, y).backward()``; they count to the end of the step. False: the
         caller lets go of them before backward except the scalar loss it calls ``backward()`` on
         (``m(x, labels=y).loss.backward()`` drops the logits); the plan then frees, keeps or
-        recomputes them like any other value. If a caller that said False holds them anyway, the
-        step peaks above the plan by up to their size.
+        recomputes them like any other value. If the model returns a scalar loss, backward runs
+        from it alone: the other outputs come back without a gradient path (a backward through
+        them raises), so no zero gradient the size of the logits is made for them. If a caller
+        that said False holds them anyway, the step peaks above the plan by up to their size.
     **solver_options :
         Passed to the solver (``time_limit_s``, ``num_workers``...).
 

@@ -12,7 +12,7 @@ __all__ = ["check_plan"]
 def check_plan(cg: CostGraph, plan: Plan) -> SimResult:
     """Check a plan against its graph with a liveness simulation that knows nothing of the solver.
 
-    The schedule is rebuilt from ``plan.saved`` alone, compared with the plan's own schedule, and
+    The schedule is rebuilt from ``plan.saved`` and ``plan.rerun`` alone, compared with the plan's own schedule, and
     simulated; the simulated peak must equal ``plan.peak_bytes``, be at most the solver's own bound
     (``plan.model_peak_bytes``) and at most the budget, and the recompute cost must match.
 
@@ -29,7 +29,7 @@ def check_plan(cg: CostGraph, plan: Plan) -> SimResult:
         If anything disagrees or the plan does not fit its budget.
     """
     plan.check_applies_to(cg)
-    schedule = build_schedule(cg, plan.saved)
+    schedule = build_schedule(cg, plan.saved, plan.rerun)
     if schedule.to_json() != plan.schedule.to_json():
         raise PlanCheckError(f"{plan.solver}: the plan's schedule is not the one its saved set implies")
     sim = simulate(cg, schedule)

@@ -18,7 +18,7 @@ from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simu
 
 __all__ = ["Plan", "ValueInfo", "make_plan", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: reruns (version 1 documents, which have none, are still read)
 
 
 @dataclass
@@ -50,7 +50,11 @@ class Plan:
     baseline_peak_bytes : int
         The no-recompute (save-all) plan's peak.
     saved, recomputed : list[str]
-        Saved forward values; forward nodes recomputed in backward (in recompute order).
+        Saved forward values; forward nodes recomputed in backward (in recompute order; a value
+        recomputed more than once appears once per recomputation).
+    rerun : list[tuple[str, int]]
+        Recomputed values dropped between two uses and recomputed again at a backward step (see
+        :mod:`remat_compiler.schedule`); part of the plan's decision with ``saved``.
     recompute_flops, baseline_flops : int
         FLOPs recomputed; FLOPs of the step without recomputation (forward + backward).
     recompute_s, baseline_s : float
@@ -92,6 +96,7 @@ class Plan:
     values: list[ValueInfo] = field(default_factory=list)
     min_feasible_bytes: int | None = None
     extras: dict = field(default_factory=dict)
+    rerun: list = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -139,6 +144,10 @@ class Plan:
             f"saved             {len([v for v in self.values if v.decision == 'saved'])} values, "
             f"{human_bytes(self.saved_bytes)}",
         ]
+        if self.rerun:
+            head.append(f"recomputed again  {len(self.rerun)} times: "
+                        + ", ".join(f"{v} at backward step {j}" for v, j in self.rerun[:6])
+                        + (" ..." if len(self.rerun) > 6 else ""))
         rows = [("name", "op", "shape", "bytes", "FLOPs", "decision", "reason")]
         ordered = sorted(self.values, key=lambda v: (v.decision != "saved", -v.bytes))
         for v in ordered[:max_rows]:
@@ -175,7 +184,7 @@ class Plan:
             raise ValueError(f"not a plan: invalid JSON ({exc})") from exc
         if not isinstance(d, dict) or "schema_version" not in d:
             raise ValueError("not a plan document: no schema_version")
-        if d["schema_version"] != SCHEMA_VERSION:
+        if d["schema_version"] not in (1, SCHEMA_VERSION):
             raise ValueError(f"plan schema version {d['schema_version']} is not supported "
                              f"(this remat_compiler reads version {SCHEMA_VERSION}); re-plan the model")
         digest = d.pop("digest", None)
@@ -185,6 +194,7 @@ class Plan:
         try:
             d["schedule"] = Schedule.from_json(d["schedule"])
             d["values"] = [ValueInfo(**v) for v in d["values"]]
+            d["rerun"] = [(v, int(j)) for v, j in d.get("rerun", [])]
             return cls(**d)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a plan document: {exc!r}") from exc
@@ -251,9 +261,9 @@ def _reason_recomputed(cg: CostGraph, n: str) -> str:
 def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, status: str = "optimal",
               gap: float = 0.0, solve_time_s: float = 0.0, model_peak_bytes: int | None = None,
               min_feasible_bytes: int | None = None, baseline_peak_bytes: int | None = None,
-              extras: dict | None = None) -> Plan:
-    """Build a Plan from a saved set: derive the schedule and simulate its memory and cost."""
-    schedule = build_schedule(cg, saved)
+              extras: dict | None = None, rerun=()) -> Plan:
+    """Build a Plan from a saved set (and reruns): derive the schedule and simulate its memory and cost."""
+    schedule = build_schedule(cg, saved, rerun)
     sim = simulate(cg, schedule)
     if baseline_peak_bytes is None:
         baseline_peak_bytes = simulate(cg, build_schedule(cg, save_all_set(cg))).peak_bytes
@@ -264,7 +274,7 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
         values.append(ValueInfo(n, a["op"], list(a["shape"]) if a["shape"] else None, a["dtype"],
                                 a["bytes"], a["flops"], a["runtime_s"], "saved", _reason_saved(cg, n),
                                 a["module"]))
-    for n in schedule.recomputed:
+    for n in dict.fromkeys(schedule.recomputed):
         a = cg.g.nodes[n]
         values.append(ValueInfo(n, a["op"], list(a["shape"]) if a["shape"] else None, a["dtype"],
                                 a["bytes"], a["flops"], a["runtime_s"], "recomputed",
@@ -290,4 +300,5 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
         values=values,
         min_feasible_bytes=min_feasible_bytes,
         extras=dict(extras or {}),
+        rerun=list(schedule.rerun),
     )

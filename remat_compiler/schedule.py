@@ -8,7 +8,12 @@ implements and this module simulates:
 - the backward runs its nodes in order; a forward value it needs that is neither saved nor otherwise
   available (inputs, tangents, outputs the caller holds) is recomputed *just before the first backward
   step that needs it*, together with whatever it needs in turn, in forward order; each value is freed
-  after its last use.
+  after its last use;
+- a plan may also name *reruns* ``(v, j)``: a recomputed value whose instance is dropped after its
+  last use before backward step ``j`` and recomputed again just before the first step at or after
+  ``j`` that needs it (views of it are taken again from the new instance). A value can so be
+  recomputed more than once, when holding it between two distant uses costs more memory than
+  computing it twice.
 
 Memory is counted per node: each node allocates its output while its inputs are live (a multi-output
 op all the outputs it returns), and a value is freed right after its last reader (as fx's generated
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import PlanCheckError
 
-__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "bw_time"]
+__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "bw_time", "rerunnable"]
 
 
 @dataclass
@@ -51,7 +56,10 @@ class Schedule:
         Every forward-side value the backward reads directly: saved values, and inputs, tangents and
         held outputs it uses. This is what the forward hands to the backward.
     recomputed : list[str]
-        Forward nodes that backward recomputes, in the order it recomputes them.
+        Forward nodes that backward recomputes, in the order it recomputes them (a rerun value
+        appears once per recomputation).
+    rerun : list[tuple[str, int]]
+        The reruns that take effect, as (value, backward step where it is recomputed again), sorted.
     """
 
     fw: list[str]
@@ -59,15 +67,18 @@ class Schedule:
     saved: list[str]
     bw_inputs: list[str]
     recomputed: list[str] = field(default_factory=list)
+    rerun: list[tuple[str, int]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"fw": self.fw, "bw": [[r, b] for r, b in self.bw], "saved": self.saved,
-                "bw_inputs": self.bw_inputs, "recomputed": self.recomputed}
+                "bw_inputs": self.bw_inputs, "recomputed": self.recomputed,
+                "rerun": [[v, j] for v, j in self.rerun]}
 
     @classmethod
     def from_json(cls, d: dict) -> "Schedule":
         return cls(fw=list(d["fw"]), bw=[(list(r), b) for r, b in d["bw"]], saved=list(d["saved"]),
-                   bw_inputs=list(d["bw_inputs"]), recomputed=list(d["recomputed"]))
+                   bw_inputs=list(d["bw_inputs"]), recomputed=list(d["recomputed"]),
+                   rerun=[(v, int(j)) for v, j in d.get("rerun", [])])
 
 
 @dataclass
@@ -78,7 +89,7 @@ class SimResult:
     runs, in step ``peak_step``; ``step_peak_bytes`` the peak when a backward step's recomputations
     all count as live through the step (>= ``peak_bytes``). ``profile[t]`` is the step-level live
     bytes at step t (forward steps first); ``intervals`` maps each allocated value instance
-    ``(owner, "fw" | "rc" | "bw")`` to ``(first_step, last_step, bytes)`` and ``times`` maps it to
+    ``(owner, "fw" | "rc" | "rc2"... | "bw")`` (``rcK``: the K-th recomputation of a rerun value) to ``(first_step, last_step, bytes)`` and ``times`` maps it to
     ``(first_time, last_time)`` on the node-level time axis (see the module docstring).
     """
 
@@ -120,24 +131,38 @@ def _is_getitem(cg: CostGraph, n: str) -> bool:
     return cg.attr(n, "op") == "getitem"
 
 
-def build_schedule(cg: CostGraph, saved) -> Schedule:
-    """Derive the full schedule from a set of saved candidate values.
+def rerunnable(cg: CostGraph, n: str) -> bool:
+    """Whether a recomputed value may be recomputed a second time: a single-output op that is safe
+    to recompute (a multi-output op's outputs and views go with their op and storage)."""
+    a = cg.g.nodes[n]
+    return (a["phase"] == "fw" and not a["never_recompute"] and not a["is_tuple"] and a["op"] != "getitem"
+            and cg.storage(n) == n and a["bytes"] > 0)
+
+
+def build_schedule(cg: CostGraph, saved, rerun=()) -> Schedule:
+    """Derive the full schedule from a set of saved candidate values (and optional reruns).
 
     Parameters
     ----------
     cg : CostGraph
     saved : iterable of str
         Candidate names (see :attr:`CostGraph.candidates`) to keep from the forward.
+    rerun : iterable of (str, int)
+        Recomputed values to drop and recompute again from backward step ``j`` on (see the module
+        docstring).
 
     Returns
     -------
     Schedule
-        Saved values that backward never reads are dropped from ``saved``.
+        Saved values that backward never reads are dropped from ``saved``; reruns that change
+        nothing are dropped from ``rerun``, the others name the step where the value is recomputed
+        again.
 
     Raises
     ------
     PlanCheckError
-        If a saved name is not a candidate.
+        If a saved name is not a candidate, or a rerun names a value that is not recomputed, cannot
+        be recomputed twice, or a step outside the backward.
     """
     cand = set(cg.candidates)
     saved_set = set(saved)
@@ -160,10 +185,29 @@ def build_schedule(cg: CostGraph, saved) -> Schedule:
     # Each backward step recomputes what it needs and nothing earlier steps already made, in forward
     # order (a topological order; it is also the order the CP-SAT model's times assume).
     fw_index = cg.fw_index
+    rerun_at: dict[int, set[str]] = {}
+    for v, j in rerun:
+        if v not in recompute or not rerunnable(cg, v):
+            raise PlanCheckError(f"rerun of {v}: only a recomputed single-output op can be recomputed again")
+        if not 0 < j < len(cg.bw_order):
+            raise PlanCheckError(f"rerun of {v} at backward step {j}: steps are 1..{len(cg.bw_order) - 1}")
+        rerun_at.setdefault(int(j), set()).add(v)
+    views_of: dict[str, set[str]] = {}
+    if rerun_at:
+        for n in recompute:
+            if cg.storage(n) not in (None, n):
+                views_of.setdefault(cg.storage(n), set()).add(n)
     emitted: set[str] = set()
     order: list[str] = []
     bw_steps = []
-    for b in cg.bw_order:
+    dropped: set[str] = set()      # rerun values not yet recomputed again
+    effective: list[tuple[str, int]] = []
+    for j, b in enumerate(cg.bw_order):
+        for v in rerun_at.get(j, ()):
+            if v in emitted:
+                emitted.discard(v)
+                emitted.difference_update(views_of.get(v, ()))
+                dropped.add(v)
         rec: list[str] = []
         stack = [p for p in cg.preds(b) if p in recompute and p not in emitted]
         while stack:
@@ -177,6 +221,9 @@ def build_schedule(cg: CostGraph, saved) -> Schedule:
                 stack.extend(u for u in cg.g.successors(cur)
                              if u in recompute and _is_getitem(cg, u) and u not in emitted)
         rec.sort(key=fw_index.__getitem__)
+        for v in dropped.intersection(rec):
+            effective.append((v, j))
+        dropped.difference_update(rec)
         bw_steps.append((rec, b))
         order.extend(rec)
 
@@ -194,7 +241,7 @@ def build_schedule(cg: CostGraph, saved) -> Schedule:
     used = set(bw_inputs)
     return Schedule(fw=list(cg.fw_order), bw=bw_steps,
                     saved=[n for n in cg.candidates if n in saved_set and n in used],
-                    bw_inputs=bw_inputs, recomputed=order)
+                    bw_inputs=bw_inputs, recomputed=order, rerun=sorted(effective))
 
 
 def save_all_set(cg: CostGraph) -> list[str]:
@@ -225,6 +272,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     last_time = bw_time(F, len(schedule.bw) - 1)
     fw_index = cg.fw_index
     recomputed = set(schedule.recomputed)
+    made: dict[str, int] = {}                       # recomputations so far, per node
     saved = set(schedule.saved)
     live: dict[str, tuple[str, str]] = {}          # storage owner -> current instance key
     # key -> [first step, last step, first event, last event, first time, last time]
@@ -258,7 +306,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         if kind == "fw":
             time = step
         else:
-            time = bw_time(F, step - F, fw_index[n] if kind == "rc" else None)
+            time = bw_time(F, step - F, fw_index[n] if kind.startswith("rc") else None)
         order.append(n)
         times.append(time)
         for p in cg.preds(n):
@@ -268,7 +316,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         if nodes[n]["is_tuple"]:  # a multi-output op allocates every output it returns at once
             for u in cg.g.successors(n):
                 if storage_of[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" \
-                        and (u in recomputed if kind == "rc" else nodes[u]["phase"] == nodes[n]["phase"]):
+                        and (u in recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]):
                     alloc(u, kind, step, ev, time)
         clock["ev"] = ev + 1
 
@@ -291,7 +339,8 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         for r in rec:
             if cg.attr(r, "never_recompute"):
                 raise PlanCheckError(f"schedule recomputes {r}: {cg.attr(r, 'reason')}")
-            run(r, step, "rc")
+            made[r] = made.get(r, 0) + 1
+            run(r, step, "rc" if made[r] == 1 else f"rc{made[r]}")
         run(b, step, "bw")
     last_ev = clock["ev"] - 1
     # held to the end: the caller's outputs (unless it drops them), the gradients backward returns,
@@ -324,9 +373,9 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
         profile=profile,
         intervals={k: (v[0], v[1], sizes[k]) for k, v in intervals.items()},
         num_fw_steps=F,
-        recompute_s=sum(cg.attr(r, "runtime_s") for r in recomputed),
-        recompute_flops=sum(cg.attr(r, "flops") for r in recomputed),
-        recompute_comm_bytes=sum(cg.attr(r, "comm_bytes") for r in recomputed),
+        recompute_s=sum(cg.attr(r, "runtime_s") for r in schedule.recomputed),
+        recompute_flops=sum(cg.attr(r, "flops") for r in schedule.recomputed),
+        recompute_comm_bytes=sum(cg.attr(r, "comm_bytes") for r in schedule.recomputed),
         events=list(zip(order, events)),
     )
 

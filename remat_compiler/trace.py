@@ -34,6 +34,12 @@ class StepFunction:
 
     Non-tensor arguments are baked in as constants (they are part of the signature), and the output's
     non-tensor leaves are restored by :meth:`unflatten_outputs`.
+
+    With ``loss_only`` (``hold_outputs=False``) and a scalar output that requires grad (the loss), the
+    other outputs leave the traced step without a gradient path: backward then gets no zero-filled
+    gradient for them (autograd materialises one per unused output of a custom Function, as large as
+    the logits). :meth:`unflatten_outputs` hands them back behind a guard whose backward raises, so
+    a backward through them is an error, never a silently missing gradient.
     """
 
     model: torch.nn.Module
@@ -45,6 +51,8 @@ class StepFunction:
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # tensors replaced by None
     out_tensor_positions: list[int] = field(default_factory=list)
+    loss_only: bool = False
+    no_grad_positions: list[int] = field(default_factory=list)  # outputs returned without a gradient
 
     @property
     def num_state(self) -> int:
@@ -65,6 +73,13 @@ class StepFunction:
         args, kwargs = pytree.tree_unflatten(leaves, self.arg_spec)
         out = functional_call(self.model, state, args, kwargs)
         out_leaves, out_spec = pytree.tree_flatten(out)
+        self.no_grad_positions = []
+        if self.loss_only and any(isinstance(x, torch.Tensor) and x.dim() == 0 and x.requires_grad
+                                  for x in out_leaves):
+            for i, x in enumerate(out_leaves):
+                if isinstance(x, torch.Tensor) and x.dim() != 0 and x.requires_grad:
+                    out_leaves[i] = x.detach()
+                    self.no_grad_positions.append(i)
         self.out_spec = out_spec
         self.out_tensor_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
@@ -74,12 +89,32 @@ class StepFunction:
         leaves = list(self.out_leaves)
         for pos, tensor in zip(self.out_tensor_positions, tensors):
             leaves[pos] = tensor
+        if self.no_grad_positions:
+            loss = next(x for x in leaves if isinstance(x, torch.Tensor) and x.dim() == 0 and x.requires_grad)
+            for pos in self.no_grad_positions:
+                leaves[pos] = _NoGradientThrough.apply(leaves[pos], loss)
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
-def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
+class _NoGradientThrough(torch.autograd.Function):
+    """An output planned without a gradient path (``hold_outputs=False``): backward through it raises."""
+
+    @staticmethod
+    def forward(ctx, out, _loss):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        raise RuntimeError(
+            "this output of a model compiled with hold_outputs=False has no gradient path: that "
+            "setting plans a step that calls backward() on the scalar loss only. Compile with "
+            "hold_outputs=True (the default) to backpropagate through the model's other outputs.")
+
+
+def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, loss_only: bool = False
                  ) -> tuple[StepFunction, list[torch.Tensor]]:
-    """Flatten ``model(*args, **kwargs)`` into a :class:`StepFunction` and its tensor inputs."""
+    """Flatten ``model(*args, **kwargs)`` into a :class:`StepFunction` and its tensor inputs
+    (``loss_only``: see :class:`StepFunction`)."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = StepFunction(
@@ -89,6 +124,7 @@ def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
         arg_spec=spec,
         arg_leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         tensor_positions=positions,
+        loss_only=loss_only,
     )
     return step, [leaves[i] for i in positions]
 
@@ -241,7 +277,8 @@ def _describe_trace_failure(exc: Exception) -> str:
             f"activations, no Python branching on tensor values) or run it outside the compiled module.")
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> TracedStep:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, loss_only: bool = False
+          ) -> TracedStep:
     """Capture the joint forward+backward aten graph of ``model(*args, **kwargs)``.
 
     Parameters
@@ -250,6 +287,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
         The model; its parameters and buffers become graph inputs.
     args, kwargs :
         Example inputs. Only shapes, dtypes and ``requires_grad`` matter; nothing runs for real.
+    loss_only : bool
+        Backward only through a scalar loss output (see :class:`StepFunction`).
 
     Returns
     -------
@@ -262,7 +301,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     UntraceableModelError
         If the model has data-dependent shapes or control flow; the message names the op and line.
     """
-    step, flat_inputs = flatten_step(model, args, kwargs)
+    step, flat_inputs = flatten_step(model, args, kwargs, loss_only=loss_only)
 
     def capture(joint, _inputs, *, num_fwd_outputs, **_kw):
         raise _JointCaptured(joint, num_fwd_outputs)

@@ -99,7 +99,7 @@ def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | Non
         The graph every plan was made for.
     plans : dict[str, Plan]
         Legend label -> plan; each curve is the live bytes while each node runs
-        (``simulate(cg, build_schedule(cg, plan.saved)).events``), the profile the plan's peak and
+        (``simulate(cg, build_schedule(cg, plan.saved, plan.rerun)).events``), the profile the plan's peak and
         the solver's budget refer to.
     budget_bytes : int or None
         Drawn as a horizontal line when given.
@@ -125,7 +125,7 @@ def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | Non
     num_fw = 0
     for rank, (label, plan) in enumerate(plans.items()):
         plan.check_applies_to(cg)
-        sim = simulate(cg, build_schedule(cg, plan.saved))
+        sim = simulate(cg, build_schedule(cg, plan.saved, plan.rerun))
         num_fw = sim.num_fw_steps  # the first events are the forward nodes, one each
         mib = [b / _MIB for _node, b in sim.events]
         # one extra point so the last node is drawn as wide as the others; the first plan on top

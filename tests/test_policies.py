@@ -78,9 +78,9 @@ def test_an_infeasible_budget_under_a_policy_names_the_smallest_budget_with_it()
     from remat_compiler.solvers.cpsat import min_feasible_peak
 
     model, x, _, cg = _setup()
-    free, free_proven, _ = min_feasible_peak(cg, **FAST)
+    free, free_proven, *_ = min_feasible_peak(cg, **FAST)
     forced, forbidden = apply_policy(cg, save_matmuls)
-    kept, kept_proven, saved = min_feasible_peak(cg, forced_saved=forced, forbidden_saved=forbidden, **FAST)
+    kept, kept_proven, saved, _ = min_feasible_peak(cg, forced_saved=forced, forbidden_saved=forbidden, **FAST)
     assert free_proven and kept_proven
     assert kept > free and set(forced) <= set(saved)  # keeping every matmul output costs memory
     with pytest.raises(InfeasibleBudgetError) as err:

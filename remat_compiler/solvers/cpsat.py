@@ -44,6 +44,7 @@ from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simul
 from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
+from remat_compiler.solvers.rerun import lower_peak
 
 __all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
            "build_model", "block_classes"]
@@ -413,6 +414,17 @@ def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -
 # plan. Pure data (saved sets and their peaks), bounded, never steering anything else.
 _KNOWN_PLANS: dict[str, list[tuple[frozenset, int]]] = {}
 _KNOWN_PER_GRAPH = 32
+# Plans with reruns (a value recomputed more than once), found below what CP-SAT's model reaches:
+# (saved set, reruns, peak) per graph fingerprint.
+_KNOWN_RERUNS: dict[str, list[tuple[frozenset, tuple, int]]] = {}
+
+
+def _remember_reruns(cg: CostGraph, saved, rerun, peak: int) -> None:
+    plans = _KNOWN_RERUNS.setdefault(cg.fingerprint, [])
+    plans.append((frozenset(saved), tuple(rerun), peak))
+    del plans[:-_KNOWN_PER_GRAPH]
+    if len(_KNOWN_RERUNS) > 64:
+        _KNOWN_RERUNS.pop(next(iter(_KNOWN_RERUNS)))
 
 
 def _remember(cg: CostGraph, saved) -> None:
@@ -535,10 +547,16 @@ def _is_const(var) -> bool:
 
 
 def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers: int | None = None,
-                      deterministic: bool = False, forced_saved=(), forbidden_saved=()
-                      ) -> tuple[int, bool, list[str]]:
+                      deterministic: bool = False, forced_saved=(), forbidden_saved=(), reruns: bool = True
+                      ) -> tuple[int, bool, list[str], list[tuple[str, int]]]:
     """The smallest feasible budget: the least peak of any plan (bytes) that saves ``forced_saved``
-    and none of ``forbidden_saved``, whether that is proven optimal, and a saved set reaching it."""
+    and none of ``forbidden_saved``, whether that is proven optimal, and the plan reaching it (saved
+    set and reruns).
+
+    CP-SAT finds the lowest-peak plan that recomputes each value at most once; with ``reruns``,
+    :func:`~remat_compiler.solvers.rerun.lower_peak` then recomputes values again where that lowers
+    the peak. "Proven" means CP-SAT proved its optimum and no rerun went below it (a proof over
+    plans that recompute each value once; reruns are searched locally, not proven)."""
     rm = build_model(cg, None, minimize="peak", forced_saved=forced_saved, forbidden_saved=forbidden_saved)
     hints = []
     try:
@@ -559,14 +577,25 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         peak, low = min(known, key=lambda k: k[0])
         saved = sorted(low)
     _remember(cg, saved)
-    return peak, status == cp_model.OPTIMAL, saved
+    proven, rerun = status == cp_model.OPTIMAL, []
+    if reruns:
+        found, _sim = lower_peak(cg, saved, cost_of=lambda n: cost_units(cg, n, "runtime"),
+                                 time_limit_s=max(1.0, 0.3 * time_limit_s))
+        lowered = _sim.peak_bytes
+        earlier = [(p, S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
+                   if _complies(S, forced_saved, forbidden_saved)]
+        best = min([(lowered, frozenset(saved), tuple(found)), *earlier], key=lambda k: k[0])
+        if best[0] < peak:
+            peak, saved, rerun, proven = best[0], sorted(best[1]), list(best[2]), False
+            _remember_reruns(cg, saved, rerun, peak)
+    return peak, proven, saved, rerun
 
 
 def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0,
                 num_workers: int | None = None, deterministic: bool = False, minimize_peak: bool = True,
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
                 block_reuse: bool = True, block_reuse_share: float = 0.4, objective: str = "runtime",
-                **opts) -> Plan:
+                reruns: bool = True, **opts) -> Plan:
     """Minimise recompute cost subject to the simulated peak <= ``budget_bytes``.
 
     Parameters
@@ -602,6 +631,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     objective : "runtime" | "flops"
         The recompute cost minimised: estimated runtime (default; memory-bound ops cost their
         bytes moved) or counted FLOPs (what FLOP-overhead tables measure; see :func:`cost_units`).
+    reruns : bool
+        Below the lowest peak of plans that recompute each value once, look for plans that
+        recompute some values again (:mod:`remat_compiler.solvers.rerun`).
 
     Returns
     -------
@@ -660,25 +692,34 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         model_peak, optimal = simulate(cg, build_schedule(cg, saved)).peak_bytes, False
     elif status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
         # No plan yet: find the lowest-peak plan; it names the smallest budget, or seeds a second try.
+        # Below what CP-SAT's model reaches, only plans that recompute a value more than once fit.
         bound = solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0
-        min_peak, proven, low = min_feasible_peak(cg, time_limit_s=time_limit_s, num_workers=num_workers,
-                                                  deterministic=deterministic, forced_saved=forced_saved,
-                                                  forbidden_saved=forbidden_saved)
-        if status == cp_model.INFEASIBLE or (budget_bytes is not None and min_peak > budget_bytes):
+        min_peak, proven, low, rerun = min_feasible_peak(
+            cg, time_limit_s=time_limit_s, num_workers=num_workers, deterministic=deterministic,
+            forced_saved=forced_saved, forbidden_saved=forbidden_saved, reruns=reruns)
+        fitting = [(S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
+                   if reruns and p <= budget_bytes and _complies(S, forced_saved, forbidden_saved)]
+        if budget_bytes is not None and min_peak > budget_bytes and not fitting:
             raise InfeasibleBudgetError(budget_bytes, min_peak, proven=proven)
-        rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
-                         objective=objective)
-        _hint(rm, cg, low)
-        solver = _solver(time_limit_s, num_workers, deterministic)
-        status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+        if status != cp_model.INFEASIBLE and not rerun:
+            rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
+                             objective=objective)
+            _hint(rm, cg, low)
+            solver = _solver(time_limit_s, num_workers, deterministic)
+            status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+        else:
+            status = cp_model.UNKNOWN
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the lowest-peak plan itself
-            schedule = build_schedule(cg, low)
+            if fitting:
+                low, rerun = min(fitting, key=lambda p: sum(
+                    cost_units(cg, n, objective) for n in build_schedule(cg, *p).recomputed))
+            schedule = build_schedule(cg, low, rerun)
             cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
             return make_plan(cg, low, budget_bytes=budget_bytes, solver="cpsat", status="feasible",
                              gap=0.0 if cost == 0 else max(0.0, 1 - bound * rm.cost_gcd / cost),
                              solve_time_s=time.perf_counter() - t0,
                              model_peak_bytes=simulate(cg, schedule).peak_bytes,
-                             baseline_peak_bytes=base_peak,
+                             baseline_peak_bytes=base_peak, rerun=rerun,
                              extras={"cost_units": cost, "cost_bound_units": bound * rm.cost_gcd,
                                      "objective": objective})
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
