@@ -397,6 +397,22 @@ class _Progress(cp_model.CpSolverSolutionCallback):
                       "bound": bound, "gap": gap})
 
 
+class _Collect(cp_model.CpSolverSolutionCallback):
+    """Keeps the saved sets of the last ``keep`` distinct solutions (the best ones, as CP-SAT improves)."""
+
+    def __init__(self, saved_vars: dict, keep: int = 12):
+        super().__init__()
+        self._vars = saved_vars
+        self._keep = keep
+        self.found: list[frozenset] = []
+
+    def on_solution_callback(self) -> None:
+        saved = frozenset(v for v, var in self._vars.items() if self.value(var))
+        if saved not in self.found:
+            self.found.append(saved)
+            del self.found[:-self._keep]
+
+
 def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     workers = num_workers if num_workers is not None else 8
@@ -566,7 +582,8 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         hints.append(greedy_saved_set(cg, 0))
     _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
     solver = _solver(time_limit_s, num_workers, deterministic)
-    status = solver.solve(rm.model)
+    collect = _Collect(rm.saved)
+    status = solver.solve(rm.model, collect)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
     saved = [v for v, var in rm.saved.items() if solver.value(var)]
@@ -579,12 +596,22 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     _remember(cg, saved)
     proven, rerun = status == cp_model.OPTIMAL, []
     if reruns:
-        found, _sim = lower_peak(cg, saved, cost_of=lambda n: cost_units(cg, n, "runtime"),
-                                 time_limit_s=max(1.0, 0.3 * time_limit_s))
-        lowered = _sim.peak_bytes
+        # Plans of nearly the same peak differ in how much reruns can take off it: lower several
+        # (CP-SAT's last solutions, newest first, and the chosen one), keep the lowest.
+        starts = list(dict.fromkeys([frozenset(saved), *reversed(collect.found)]))
+        deadline = time.perf_counter() + max(1.0, 0.3 * time_limit_s)
+        best = (peak, frozenset(saved), ())
+        for i, S in enumerate(starts):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            found, sim = lower_peak(cg, S, cost_of=lambda n: cost_units(cg, n, "runtime"),
+                                    time_limit_s=left / (len(starts) - i))
+            if sim.peak_bytes < best[0]:
+                best = (sim.peak_bytes, S, tuple(found))
         earlier = [(p, S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
                    if _complies(S, forced_saved, forbidden_saved)]
-        best = min([(lowered, frozenset(saved), tuple(found)), *earlier], key=lambda k: k[0])
+        best = min([best, *earlier], key=lambda k: k[0])
         if best[0] < peak:
             peak, saved, rerun, proven = best[0], sorted(best[1]), list(best[2]), False
             _remember_reruns(cg, saved, rerun, peak)
