@@ -413,7 +413,8 @@ class _Collect(cp_model.CpSolverSolutionCallback):
             del self.found[:-self._keep]
 
 
-def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -> cp_model.CpSolver:
+def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool, seed: int = 0
+            ) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     workers = num_workers if num_workers is not None else 8
     solver.parameters.num_workers = workers
@@ -421,7 +422,7 @@ def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool) -
         solver.parameters.max_deterministic_time = float(time_limit_s)
         solver.parameters.interleave_search = workers > 1
     solver.parameters.max_time_in_seconds = float(time_limit_s) * (4 if deterministic else 1)
-    solver.parameters.random_seed = 0
+    solver.parameters.random_seed = seed
     return solver
 
 
@@ -562,9 +563,35 @@ def _is_const(var) -> bool:
     return len(dom) == 2 and dom[0] == dom[1]
 
 
+def _next_lowest(rm: RematModel, found: list[frozenset], count: int, deadline: float, num_workers,
+                 deterministic: bool, seed: int) -> list[frozenset]:
+    """Up to ``count`` more lowest-peak saved sets, each different from every one before it."""
+    out: list[frozenset] = []
+    for S in found:
+        _exclude(rm, S)
+    for _ in range(count):
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            break
+        solver = _solver(left, num_workers, deterministic, seed)
+        if solver.solve(rm.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            break
+        S = frozenset(v for v, var in rm.saved.items() if solver.value(var))
+        out.append(S)
+        _exclude(rm, S)
+    return out
+
+
+def _exclude(rm: RematModel, saved: frozenset) -> None:
+    """Forbid the exact saved set ``saved`` in the model (a no-good cut)."""
+    flips = [(1 - var) if v in saved else var for v, var in rm.saved.items() if not _is_const(var)]
+    if flips:
+        rm.model.add(sum(flips) >= 1)
+
+
 def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers: int | None = None,
-                      deterministic: bool = False, forced_saved=(), forbidden_saved=(), reruns: bool = True
-                      ) -> tuple[int, bool, list[str], list[tuple[str, int]]]:
+                      deterministic: bool = False, forced_saved=(), forbidden_saved=(), reruns: bool = True,
+                      seed: int = 0) -> tuple[int, bool, list[str], list[tuple[str, int]]]:
     """The smallest feasible budget: the least peak of any plan (bytes) that saves ``forced_saved``
     and none of ``forbidden_saved``, whether that is proven optimal, and the plan reaching it (saved
     set and reruns).
@@ -572,7 +599,9 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     CP-SAT finds the lowest-peak plan that recomputes each value at most once; with ``reruns``,
     :func:`~remat_compiler.solvers.rerun.lower_peak` then recomputes values again where that lowers
     the peak. "Proven" means CP-SAT proved its optimum and no rerun went below it (a proof over
-    plans that recompute each value once; reruns are searched locally, not proven)."""
+    plans that recompute each value once; reruns are searched locally, not proven). Which plans
+    reruns start from depends on the solutions CP-SAT meets, so ``seed`` (CP-SAT's random seed)
+    varies the search; every plan found is remembered for later calls on the same graph."""
     rm = build_model(cg, None, minimize="peak", forced_saved=forced_saved, forbidden_saved=forbidden_saved)
     hints = []
     try:
@@ -581,7 +610,7 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     except ValueError:  # no repeated blocks: the (slower) drop-greedy seeds the search instead
         hints.append(greedy_saved_set(cg, 0))
     _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
-    solver = _solver(time_limit_s, num_workers, deterministic)
+    solver = _solver(time_limit_s, num_workers, deterministic, seed)
     collect = _Collect(rm.saved)
     status = solver.solve(rm.model, collect)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -600,6 +629,11 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         # (CP-SAT's last solutions, newest first, and the chosen one), keep the lowest.
         starts = list(dict.fromkeys([frozenset(saved), *reversed(collect.found)]))
         deadline = time.perf_counter() + max(1.0, 0.3 * time_limit_s)
+        if status == cp_model.OPTIMAL:
+            # a graph small enough to prove: also take the next-lowest distinct plans (each solve
+            # excludes the plans before it), so the result does not hang on which optimum CP-SAT met
+            starts += _next_lowest(rm, starts, 8, deadline - 0.5 * max(1.0, 0.3 * time_limit_s),
+                                   num_workers, deterministic, seed)
         best = (peak, frozenset(saved), ())
         for i, S in enumerate(starts):
             left = deadline - time.perf_counter()
@@ -724,6 +758,14 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         min_peak, proven, low, rerun = min_feasible_peak(
             cg, time_limit_s=time_limit_s, num_workers=num_workers, deterministic=deterministic,
             forced_saved=forced_saved, forbidden_saved=forbidden_saved, reruns=reruns)
+        # A budget named by an earlier search (another process) may need the rerun plan that
+        # search met: look again from other CP-SAT seeds before calling the budget infeasible.
+        for seed in (1, 2):
+            if not reruns or budget_bytes is None or not 0.9 * min_peak <= budget_bytes < min_peak:
+                break
+            min_peak, proven, low, rerun = min_feasible_peak(
+                cg, time_limit_s=time_limit_s / 2, num_workers=num_workers, deterministic=deterministic,
+                forced_saved=forced_saved, forbidden_saved=forbidden_saved, seed=seed)
         fitting = [(S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
                    if reruns and p <= budget_bytes and _complies(S, forced_saved, forbidden_saved)]
         if budget_bytes is not None and min_peak > budget_bytes and not fitting:
