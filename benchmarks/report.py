@@ -186,7 +186,9 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   the compiled step dispatches the decomposed graph's ops, and its peak changes with the budget).
 - **predicted peak**: the remat_compiler plan's own prediction (simulator), for its rows only. Every step
   here is `loss_of(model(...)).backward()`, which lets go of the model's outputs (the logits) before
-  backward and keeps only the loss, so remat_compiler plans with `hold_outputs=False`.
+  backward and keeps only the loss, so remat_compiler plans with `hold_outputs=False` (backward then runs
+  from the loss alone, without the zero logits-sized gradient autograd gives an unused output of
+  AOTAutograd's Function).
 - **FLOP ratio**: FLOPs of one step counted by `torch.utils.flop_counter.FlopCounterMode`'s registry
   (matmul, convolution, attention) over the whole step, same `ignore_compile_internals` treatment, divided
   by eager's. 1.000 means no recompute of counted ops.
@@ -209,7 +211,9 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   predicted peak, and the smallest feasible budget. CP-SAT minimises the objective named per workload
   (`flops`: counted FLOPs recomputed, memory-bound ops breaking ties; `runtime`: the roofline runtime
   estimate). Status `feasible` means CP-SAT stopped at its time limit; the gap is its proven relative gap
-  on that objective.
+  on that objective, over plans that recompute each value once. Below the lowest peak of those plans,
+  the smallest feasible budget and the plan for it use reruns (a value recomputed again at a later
+  backward step, found by local search: no proven gap).
 - **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every
   rank runs the same steps in lock step; CP-SAT plans and the smallest feasible budget are computed on rank 0
   and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two

@@ -283,7 +283,8 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
               help="CP-SAT's recompute cost: estimated runtime (default) or counted FLOPs.")
 @click.option("--drop-outputs", is_flag=True,
               help="Plan for a step that keeps only the scalar loss through backward "
-                   "(model(x).loss.backward()); default: the caller holds every output.")
+                   "(model(x).loss.backward()), which is the only output backward runs from; "
+                   "default: the caller holds every output.")
 @time_limit_option
 @click.pass_context
 def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | None, solver: str,
