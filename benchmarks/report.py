@@ -218,9 +218,11 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   rank runs the same steps in lock step; CP-SAT plans and the smallest feasible budget are computed on rank 0
   and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two
   ranks' (both are noted when they differ), FLOPs are summed over ranks, and a step takes as long as the
-  slower rank. On 2 ranks a step's measured peak can differ between ranks and between runs by a few MiB under load (alone,
-  eight repeated eager steps measure the same bytes on both ranks), most likely because a buffer of an
-  all-to-all stays alive until gloo's background work on it completes.
+  slower rank. gloo runs each all-to-all on a background thread whose work object holds the
+  collective's input until that thread lets go of it, a few ops after the wait on a loaded machine; the
+  emitted code therefore holds the input after each wait until the work has released it
+  (`remat_compiler.codegen.release_collective_inputs`), so that it is freed where the plan frees it.
+  Eager, checkpoint and torch.compile rows have no such release, and their ranks can differ.
 
 Sizes are in MiB (2^20 bytes). Issue 5's reference figures, written "MB", are in this unit: its eager
 GPT-2 peak, 218.1, is measured here as 218.1 MiB, and checkpointing every block as 60.08 against its 60.1.

@@ -3,15 +3,75 @@
 The forward is AOTAutograd's own extraction with the plan's saved values as extra outputs. The
 backward is rebuilt in the plan's schedule order: each recomputed node appears just before the first
 backward step that needs it, and fx's generated code releases every value after its last use.
+
+A functional collective's work object (gloo runs it on a background thread) holds the collective's
+inputs until that thread lets go of it, which can be a few ops after ``wait_tensor`` returns on a busy
+machine. So that memory is the plan's, not the scheduler's, each ``wait_tensor`` is followed by
+:func:`release_collective_inputs`, which holds the inputs until the work has dropped them; they are
+freed right there. A ``wait_tensor`` follows its collective directly and allocates nothing, so the
+live bytes the plan predicts do not change; a saved collective result is saved as waited for, so its
+wait (and the release) stay in the forward.
 """
 from __future__ import annotations
 
+import time
+
+import torch
 import torch.fx as fx
 
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
 
-__all__ = ["emit", "reorder_backward"]
+__all__ = ["emit", "reorder_backward", "release_collective_inputs", "use_counts"]
+
+RELEASE_TIMEOUT_S = 1.0
+
+
+def _refs(t: torch.Tensor) -> tuple[int, int]:
+    """References to a tensor and to its storage (a work object may hold either)."""
+    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def use_counts(*tensors: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """References to each tensor and its storage before a collective is issued on it (the graph's own)."""
+    return tuple(_refs(t) for t in tensors)
+
+
+def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: torch.Tensor) -> None:
+    """Wait (at most RELEASE_TIMEOUT_S) until no collective work holds ``tensors`` any more: their
+    reference counts are back to ``counts``, taken before the collective was issued."""
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    while any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs)):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0)
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
+        and getattr(node.target, "__name__", "").startswith("wait_tensor")
+
+
+def _release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
+    """After each ``wait_tensor`` of a collective, hold the collective's tensor inputs until its work
+    has released them (see the module docstring)."""
+    changed = False
+    for w in list(gm.graph.nodes):
+        if not _is_wait(w) or not isinstance(w.args[0], fx.Node):
+            continue
+        coll = w.args[0]
+        inputs = [a for a in coll.all_input_nodes if a.op != "get_attr"]
+        if coll.op != "call_function" or not inputs:
+            continue
+        with gm.graph.inserting_before(coll):
+            counts = gm.graph.call_function(use_counts, tuple(inputs))
+        with gm.graph.inserting_after(w):
+            gm.graph.call_function(release_collective_inputs, (counts, *inputs))
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
 
 
 def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -65,12 +125,21 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
 
     num_fwd = gm.meta["remat.num_fwd_outputs"]
     names = {n.name: n for n in gm.graph.nodes}
-    saved_values = [names[x] for x in plan.schedule.bw_inputs
-                    if names[x].meta.get("remat.phase") != "tangent"]
+    saved_values = []
+    for x in plan.schedule.bw_inputs:
+        n = names[x]
+        if n.meta.get("remat.phase") == "tangent":
+            continue
+        # a collective's result is saved once waited for (same storage): the forward waits for it
+        # and releases the collective's inputs then, instead of leaving the wait to the backward
+        waits = [u for u in n.users if _is_wait(u)] if n.op == "call_function" else []
+        n = waits[0] if waits else n
+        if n not in saved_values:
+            saved_values.append(n)
     fw, bw = _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
     # fx keeps functional collectives as impure; a dead one is dead on every rank (same plan)
     fw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     bw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     fw.recompile()
     bw = reorder_backward(bw, plan)
-    return fw, bw
+    return _release_after_waits(fw), _release_after_waits(bw)

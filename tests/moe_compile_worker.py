@@ -4,8 +4,9 @@ Every rank seeds torch alike, builds the same :class:`MoEStack` (keeping its exp
 its rows of one global token batch, runs the step eagerly, then compiles a fresh copy with each
 strategy and runs it once. It saves eager and compiled outputs and gradients, each plan's digest
 (and every rank's digests, all-gathered), the plans' communication figures, the roles of the
-all-to-all nodes, and (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths,
-to ``out_dir/rank{r}.pt``.
+all-to-all nodes, (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths, and
+the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module, to
+``out_dir/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import os
 import torch
 import torch._functorch.partitioners
 import torch.distributed as dist
+import torch.nn as nn
 
 import remat_compiler
 import remat_compiler.api
 import remat_compiler.codegen
 from passes import CostModel
+from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
 
 __all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
@@ -112,6 +115,39 @@ def origin_cost_per_link(group, x) -> dict:
     return out
 
 
+class MeanSquare(nn.Module):
+    """The stack with its loss inside, so the whole step is planned."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).pow(2).mean()
+
+
+def measured_against_plan(group, x, steps: int = 6) -> dict:
+    """A CP-SAT plan of the stack with its loss: measured peak of several steps, the predicted peak,
+    and whether every collective's wait in the emitted graphs is followed by the release of its inputs."""
+    model = MeanSquare(make_model(group))
+    compiled = remat_compiler.compile(model, memory_budget=0.8, solver="cpsat", **CPSAT_OPTIONS)
+    x = x.detach().clone().requires_grad_(True)
+    peaks = []
+    for _ in range(steps + 1):  # the first call traces and plans
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        with LiveStorageTracker() as mem:
+            compiled(x).backward()
+        peaks.append(mem.peak_bytes)
+    fw, bw = remat_compiler.codegen.emit(compiled.planned.gm, compiled.plan)
+    waits = [n for gm in (fw, bw) for n in gm.graph.nodes
+             if getattr(n.target, "__name__", "").startswith("wait_tensor")]
+    released = [n.next.target is remat_compiler.codegen.release_collective_inputs for n in waits]
+    return {"peaks": peaks[1:], "predicted": compiled.plan.peak_bytes, "waits": len(waits),
+            "released": all(released)}
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Eager step, every strategy compiled and run, plan digests gathered; saved for the parent."""
     torch.set_num_threads(1)
@@ -129,7 +165,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                     "digests": gathered,
                     "plans": {name: plan_figures(c) for name, (c, _) in compiled.items()},
                     "a2a_roles": all_to_all_roles(compiled["save_all"][0].planned.cg),
-                    "link": origin_cost_per_link(group, x) if world == 2 else {}},
+                    "link": origin_cost_per_link(group, x) if world == 2 else {},
+                    "measured": measured_against_plan(group, x)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

@@ -234,6 +234,11 @@ def test_expert_parallel_strategies(world, tmp_path):
         cp = plans["cpsat"]
         assert plans["moe_origin"]["peak_bytes"] < cp["budget_bytes"] < plans["moe_fast"]["peak_bytes"]
         assert cp["peak_bytes"] <= cp["budget_bytes"]
+        # every step measures the predicted peak: a collective's inputs are released at a planned
+        # point (after its wait), not whenever gloo's worker thread lets go of its work
+        m = res["measured"]
+        assert m["waits"] >= 4 * CFG["num_layers"] and m["released"]  # 2 all-to-alls a layer, fw and bw
+        assert m["peaks"] == [m["predicted"]] * len(m["peaks"]), (r, m)
 
 
 # ---------------------------------------------------------------- HuggingFace Mixtral
