@@ -15,6 +15,7 @@ wait (and the release) stay in the forward.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.fx as fx
@@ -24,7 +25,8 @@ from remat_compiler.plan import Plan
 
 __all__ = ["emit", "reorder_backward", "release_collective_inputs", "use_counts"]
 
-RELEASE_TIMEOUT_S = 1.0
+RELEASE_TIMEOUT_S = 0.2
+_warned = {"release": False}
 
 
 def _refs(t: torch.Tensor) -> tuple[int, int]:
@@ -39,10 +41,20 @@ def use_counts(*tensors: torch.Tensor) -> tuple[tuple[int, int], ...]:
 
 def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: torch.Tensor) -> None:
     """Wait (at most RELEASE_TIMEOUT_S) until no collective work holds ``tensors`` any more: their
-    reference counts are back to ``counts``, taken before the collective was issued."""
+    reference counts are back to ``counts``, taken before the collective was issued.
+
+    CPU tensors only (gloo); on an accelerator the caching allocator and stream order decide when
+    memory is reused, and its backends keep work objects for their own bookkeeping."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
     while any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs)):
         if time.monotonic() > deadline:
+            if not _warned["release"]:
+                _warned["release"] = True
+                warnings.warn(f"a collective's input was still held {RELEASE_TIMEOUT_S} s after its wait; "
+                              "the step may peak above the plan by that input's size", RuntimeWarning,
+                              stacklevel=2)
             return
         time.sleep(0)
 

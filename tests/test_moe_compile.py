@@ -308,3 +308,34 @@ def test_mixtral_plans_match_eager():
     baseline = peaks[("save_all", None)]
     assert peaks[("moe_origin", None)] < peaks[("moe_fast", None)] < baseline
     assert peaks[("cpsat", 0.55)] <= 0.55 * baseline
+
+
+def test_release_waits_until_another_holder_lets_go_of_a_collective_input():
+    """release_collective_inputs returns only once references taken after use_counts are gone (as
+    gloo's worker thread drops its work object), and warns instead of hanging if they never are."""
+    import threading
+    import time
+    import warnings
+
+    from remat_compiler import codegen
+
+    x = torch.zeros(1024)
+    counts = codegen.use_counts(x)
+    held = {"view": x.view(32, 32), "dropped": False}  # a view holds a reference to x, like a work object
+
+    def drop_later():
+        time.sleep(0.02)
+        held["dropped"] = True
+        held["view"] = None
+
+    t = threading.Thread(target=drop_later)
+    t.start()
+    codegen.release_collective_inputs(counts, x)
+    assert held["dropped"]
+    t.join()
+    keep = x.view(32, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        codegen._warned["release"] = False
+        codegen.release_collective_inputs(counts, x)
+    assert keep is not None and any("still held" in str(w.message) for w in caught)
