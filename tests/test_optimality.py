@@ -208,5 +208,14 @@ def test_cpsat_matches_brute_force_on_counted_flops(seed):
         check_plan(cg, plan)
         assert plan.status == "optimal" and plan.extras["objective"] == "flops"
         assert plan_cost_units(cg, plan, "flops") == brute_force(cg, budget, "flops"), (seed, budget)
+        # the FLOP-only gap is a valid bound: no fitting plan has fewer kFLOPs than it allows
+        kflops = sum(cg.attr(n, "flops") // 1000 for n in set(plan.recomputed) if cg.attr(n, "runtime_s") > 0)
+        least = min(sum(cg.attr(n, "flops") // 1000 for n in set(build_schedule(cg, S).recomputed)
+                        if cg.attr(n, "runtime_s") > 0)
+                    for k in range(len(cg.candidates) + 1) for S in itertools.combinations(cg.candidates, k)
+                    if simulate(cg, build_schedule(cg, S)).peak_bytes <= budget)
+        gap = plan.extras["flop_gap"]
+        assert 0.0 <= gap <= 1.0 and kflops * (1 - gap) <= least + 1e-9, (seed, budget, kflops, gap, least)
+        assert kflops > 0 or gap == 0.0
     with pytest.raises(ValueError, match="objective"):
         solve_cpsat(cg, peaks[-1], objective="bytes")

@@ -46,7 +46,7 @@ from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, i
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
 
-__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "RematModel",
+__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "flop_gap", "RematModel",
            "build_model", "block_classes"]
 
 
@@ -68,6 +68,21 @@ def cost_units(cg: CostGraph, n: str, objective: str = "runtime") -> int:
     if objective == "flops":
         return cg.attr(n, "flops") // 1000 + 1
     raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
+
+
+def flop_gap(cg: CostGraph, recomputed, bound_units: float) -> float:
+    """The proven relative gap on counted FLOPs alone of a plan found under ``objective="flops"``.
+
+    That objective counts kFLOPs plus 1 per recomputed op (the tie-break), so CP-SAT's bound on it,
+    less the number of ops any plan could recompute, bounds the kFLOPs of every plan from below. A
+    plan that recomputes no counted FLOPs is FLOP-optimal whatever the bound.
+    """
+    flops = sum(cg.attr(n, "flops") // 1000 for n in set(recomputed) if cg.attr(n, "runtime_s") > 0)
+    if flops == 0:
+        return 0.0
+    ops = sum(1 for v in cg.fw_order if not cg.is_available_in_bw(v) and cg.attr(v, "runtime_s") > 0
+              and not cg.attr(v, "never_recompute"))
+    return max(0.0, (flops - max(0.0, bound_units - ops)) / flops)
 
 
 def plan_cost_units(cg: CostGraph, plan: Plan, objective: str = "runtime") -> int:
@@ -810,9 +825,12 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
             saved = {v for v, var in rm2.saved.items() if solver2.value(var)}
             model_peak = solver2.value(rm2.peak) * rm2.unit_bytes
     _remember(cg, saved)
-    return make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat",
+    plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat",
                      status="optimal" if optimal else "feasible", gap=gap,
                      solve_time_s=time.perf_counter() - t0, model_peak_bytes=model_peak,
                      baseline_peak_bytes=base_peak,
                      extras={"cost_units": best_cost * rm.cost_gcd, "cost_bound_units": bound * rm.cost_gcd,
                              "objective": objective})
+    if objective == "flops":
+        plan.extras["flop_gap"] = flop_gap(cg, plan.recomputed, bound * rm.cost_gcd)
+    return plan
