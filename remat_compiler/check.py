@@ -12,8 +12,8 @@ __all__ = ["check_plan"]
 def check_plan(cg: CostGraph, plan: Plan) -> SimResult:
     """Check a plan against its graph with a liveness simulation that knows nothing of the solver.
 
-    The schedule is rebuilt from ``plan.saved`` and ``plan.rerun`` alone, compared with the plan's own schedule, and
-    simulated; the simulated peak must equal ``plan.peak_bytes``, be at most the solver's own bound
+    The schedule is rebuilt from ``plan.saved`` and ``plan.rerun`` alone, compared with the plan's own
+    schedule, and simulated; the simulated peak must equal ``plan.peak_bytes``, be at most the solver's own bound
     (``plan.model_peak_bytes``) and at most the budget, and the recompute cost must match.
 
     Returns

@@ -89,8 +89,9 @@ class SimResult:
     runs, in step ``peak_step``; ``step_peak_bytes`` the peak when a backward step's recomputations
     all count as live through the step (>= ``peak_bytes``). ``profile[t]`` is the step-level live
     bytes at step t (forward steps first); ``intervals`` maps each allocated value instance
-    ``(owner, "fw" | "rc" | "rc2"... | "bw")`` (``rcK``: the K-th recomputation of a rerun value) to ``(first_step, last_step, bytes)`` and ``times`` maps it to
-    ``(first_time, last_time)`` on the node-level time axis (see the module docstring).
+    ``(owner, "fw" | "rc" | "rc2"... | "bw")`` (``rcK``: the K-th recomputation of a rerun value)
+    to ``(first_step, last_step, bytes)`` and ``times`` maps it to ``(first_time, last_time)`` on
+    the node-level time axis (see the module docstring).
     """
 
     peak_bytes: int
@@ -315,8 +316,8 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             alloc(n, kind, step, ev, time)
         if nodes[n]["is_tuple"]:  # a multi-output op allocates every output it returns at once
             for u in cg.g.successors(n):
-                if storage_of[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" \
-                        and (u in recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]):
+                taken = u in recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]
+                if storage_of[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" and taken:
                     alloc(u, kind, step, ev, time)
         clock["ev"] = ev + 1
 
