@@ -782,10 +782,12 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                 cg, time_limit_s=time_limit_s / 2, num_workers=num_workers, deterministic=deterministic,
                 forced_saved=forced_saved, forbidden_saved=forbidden_saved, seed=seed)
         fitting = [(S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
-                   if reruns and p <= budget_bytes and _complies(S, forced_saved, forbidden_saved)]
+                   if reruns and budget_bytes is not None and p <= budget_bytes
+                   and _complies(S, forced_saved, forbidden_saved)]
         if budget_bytes is not None and min_peak > budget_bytes and not fitting:
             raise InfeasibleBudgetError(budget_bytes, min_peak, proven=proven)
-        if status != cp_model.INFEASIBLE and not rerun:
+        single_fits = budget_bytes is None or simulate(cg, build_schedule(cg, low)).peak_bytes <= budget_bytes
+        if status != cp_model.INFEASIBLE and single_fits:  # CP-SAT again, from the lowest-peak plan
             rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
                              objective=objective)
             _hint(rm, cg, low)
@@ -793,10 +795,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
             status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
         else:
             status = cp_model.UNKNOWN
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the lowest-peak plan itself
-            if fitting:
-                low, rerun = min(fitting, key=lambda p: sum(
-                    cost_units(cg, n, objective) for n in build_schedule(cg, *p).recomputed))
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the cheapest lowest-peak plan
+            options = fitting + ([(low, [])] if single_fits else [])
+            low, rerun = min(options, key=lambda p: sum(
+                cost_units(cg, n, objective) for n in build_schedule(cg, *p).recomputed))
             schedule = build_schedule(cg, low, rerun)
             cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
             return make_plan(cg, low, budget_bytes=budget_bytes, solver="cpsat", status="feasible",
