@@ -1,6 +1,8 @@
 """Graph passes: pure steps ``GraphModule -> GraphModule`` that talk only through ``node.meta["remat.*"]``.
 
-Keys written (each documented in the pass that writes it):
+Before annotating, :func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward
+into one op (it holds two logits-sized tensors instead of three). Keys written (each documented in the
+pass that writes it):
 
 - ``remat.phase``: "input" | "tangent" | "fw" | "bw" | "output"            (:mod:`passes.phases`)
 - ``remat.storage``: name of the node that owns this value's storage, or None for tuples and scalars;
@@ -18,11 +20,12 @@ import torch.fx as fx
 
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
+from passes.loss import fuse_cross_entropy_backward
 from passes.phases import annotate_phases
 from passes.storage import annotate_storage, calibrate_scalar_storage
 
 __all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "calibrate_scalar_storage",
-           "annotate_costs", "annotate_blocks"]
+           "annotate_costs", "annotate_blocks", "fuse_cross_entropy_backward"]
 
 
 def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None
@@ -39,6 +42,7 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
         Compute rate, memory and link bandwidth for the runtime estimate.
     """
     gm.graph.eliminate_dead_code()
+    gm = fuse_cross_entropy_backward(gm)
     gm = annotate_phases(gm, num_fwd_outputs=num_fwd_outputs)
     gm = annotate_storage(gm)
     gm = calibrate_scalar_storage(gm)
