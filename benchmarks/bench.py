@@ -155,7 +155,11 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
     log(f"[{spec.name}] traced in {trace_s:.1f} s; finding the smallest feasible budget")
     (min_peak, proven), min_s = _timed(lambda: comm.on_rank0(
         lambda: min_feasible_peak(cg, **solver_opts)[:2]))
-    for setting, budget in sweep_budgets(peers, baseline, min_peak, opts.fractions):
+    from benchmarks.report import ISSUE_TARGETS
+
+    target = ISSUE_TARGETS.get(spec.name, {}).get("flop_target_peak_mib")
+    extra = [(f"issue target {target:g} MiB", int(target * 2 ** 20))] if target else []
+    for setting, budget in sweep_budgets(peers, baseline, min_peak, opts.fractions, extra):
         if budget < min_peak:
             note = f"needs >= {human_bytes(min_peak)}" + ("" if proven else " (lowest found, not proven)")
             run(Skipped("remat_compiler", setting, "infeasible", note, budget))
@@ -188,8 +192,10 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
     }
 
 
-def sweep_budgets(peers, baseline_bytes: int, min_feasible_bytes: int, fractions) -> list[tuple[str, int]]:
-    """remat_compiler's budgets, largest first: each peer's measured peak, fractions, the smallest feasible.
+def sweep_budgets(peers, baseline_bytes: int, min_feasible_bytes: int, fractions, extra=()
+                  ) -> list[tuple[str, int]]:
+    """remat_compiler's budgets, largest first: each peer's measured peak, fractions, ``extra``
+    ``(label, bytes)`` points (an issue's target), the smallest feasible.
 
     Equal budgets are merged into one point whose setting names them all.
 
@@ -206,6 +212,8 @@ def sweep_budgets(peers, baseline_bytes: int, min_feasible_bytes: int, fractions
     points = {peak: f"@ {' / '.join(labels)} peak" for peak, labels in named.items()}
     for f in fractions:
         points.setdefault(int(f * baseline_bytes), f"@ {f} x no-recompute")
+    for label, nbytes in extra:
+        points.setdefault(int(nbytes), f"@ {label}")
     low = int(min_feasible_bytes)
     points[low] = f"{points[low]} / min feasible" if low in points else "@ min feasible"
     return sorted(((s, b) for b, s in points.items()), key=lambda sb: -sb[1])
