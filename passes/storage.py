@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "STORAGE", "BYTES", "TUPLE"]
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "STORAGE", "BYTES", "TUPLE"]
 
 STORAGE = "remat.storage"
 BYTES = "remat.bytes"
@@ -35,9 +35,14 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return int(t.numel() * t.element_size())
 
 
+def is_wait(node: fx.Node) -> bool:
+    """True for a functional collective's ``wait_tensor`` (it hands back its input's storage)."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
+        and getattr(node.target, "__name__", "").startswith("wait_tensor")
+
+
 def _returns_input(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
-        and getattr(n.target, "__name__", "").startswith("wait_tensor") and isinstance(n.args[0], fx.Node)
+    return is_wait(n) and isinstance(n.args[0], fx.Node)
 
 
 def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:

@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from passes.storage import is_wait
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
 
@@ -59,17 +60,12 @@ def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: tor
         time.sleep(0)
 
 
-def _is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
-        and getattr(node.target, "__name__", "").startswith("wait_tensor")
-
-
 def _release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
     """After each ``wait_tensor`` of a collective, hold the collective's tensor inputs until its work
     has released them (see the module docstring)."""
     changed = False
     for w in list(gm.graph.nodes):
-        if not _is_wait(w) or not isinstance(w.args[0], fx.Node):
+        if not is_wait(w) or not isinstance(w.args[0], fx.Node):
             continue
         coll = w.args[0]
         inputs = [a for a in coll.all_input_nodes if a.op != "get_attr"]
@@ -144,7 +140,7 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
             continue
         # a collective's result is saved once waited for (same storage): the forward waits for it
         # and releases the collective's inputs then, instead of leaving the wait to the backward
-        waits = [u for u in n.users if _is_wait(u)] if n.op == "call_function" else []
+        waits = [u for u in n.users if is_wait(u)] if n.op == "call_function" else []
         n = waits[0] if waits else n
         if n not in saved_values:
             saved_values.append(n)
