@@ -85,6 +85,11 @@ def flop_gap(cg: CostGraph, recomputed, bound_units: float) -> float:
     return max(0.0, (flops - max(0.0, bound_units - ops)) / flops)
 
 
+def _set_cost_units(cg: CostGraph, saved, objective: str, rerun=()) -> int:
+    """The objective value of the plan that saves ``saved`` (and reruns ``rerun``)."""
+    return sum(cost_units(cg, n, objective) for n in build_schedule(cg, saved, rerun).recomputed)
+
+
 def plan_cost_units(cg: CostGraph, plan: Plan, objective: str = "runtime") -> int:
     """The objective value of a plan: the summed integer cost of what it recomputes."""
     return sum(cost_units(cg, n, objective) for n in plan.recomputed)
@@ -744,7 +749,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
         warm = min([w for w in (composed, tied, heuristic, *known)
                     if w is not None and _complies(w, forced_saved, forbidden_saved)], default=None,
-                   key=lambda w: sum(cost_units(cg, n, objective) for n in build_schedule(cg, w).recomputed))
+                   key=lambda w: _set_cost_units(cg, w, objective))
     t_build = time.perf_counter()
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
                      objective=objective)
@@ -761,8 +766,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if status == cp_model.UNKNOWN and warm is not None:
         # CP-SAT stopped before reaching the hinted plan (a big graph's presolve): that plan fits
         saved = set(build_schedule(cg, warm).saved)
-        best_cost = sum(cost_units(cg, n, objective) for n in build_schedule(cg, saved).recomputed) \
-            // rm.cost_gcd
+        best_cost = _set_cost_units(cg, saved, objective) // rm.cost_gcd
         bound = solver.best_objective_bound
         gap = 0.0 if best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
         model_peak, optimal = simulate(cg, build_schedule(cg, saved)).peak_bytes, False
@@ -797,10 +801,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
             status = cp_model.UNKNOWN
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the cheapest lowest-peak plan
             options = fitting + ([(low, [])] if single_fits else [])
-            low, rerun = min(options, key=lambda p: sum(
-                cost_units(cg, n, objective) for n in build_schedule(cg, *p).recomputed))
+            low, rerun = min(options, key=lambda p: _set_cost_units(cg, p[0], objective, p[1]))
             schedule = build_schedule(cg, low, rerun)
-            cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
+            cost = _set_cost_units(cg, low, objective, rerun)
             return make_plan(cg, low, budget_bytes=budget_bytes, solver="cpsat", status="feasible",
                              gap=0.0 if cost == 0 else max(0.0, 1 - bound * rm.cost_gcd / cost),
                              solve_time_s=time.perf_counter() - t0,

@@ -27,17 +27,15 @@ def _key(sim, cost: float):
     return (sim.peak_bytes, at_peak, cost)
 
 
-def lower_peak(cg: CostGraph, saved, rerun=(), *, target_bytes: int | None = None, cost_of=None,
-               max_cost: float | None = None, time_limit_s: float = 10.0, max_moves: int = 200):
-    """Add reruns to the plan ``saved`` (+ ``rerun``) until its peak is at most ``target_bytes``
-    (None: as low as the search gets), or nothing helps, or the time is up.
+def lower_peak(cg: CostGraph, saved, rerun=(), *, cost_of=None, time_limit_s: float = 10.0,
+               max_moves: int = 200):
+    """Add reruns to the plan ``saved`` (+ ``rerun``) until nothing lowers its peak further, or the
+    time is up.
 
     Parameters
     ----------
     cost_of : callable, optional
-        Cost of one recomputation of a node (default: its roofline runtime).
-    max_cost : float, optional
-        The plan's total recompute cost may not exceed this.
+        Cost of one recomputation of a node (default: its roofline runtime); breaks ties.
 
     Returns
     -------
@@ -58,8 +56,6 @@ def lower_peak(cg: CostGraph, saved, rerun=(), *, target_bytes: int | None = Non
     schedule, sim, cost = evaluate(list(rerun))
     best = _key(sim, cost)
     for _ in range(max_moves):
-        if target_bytes is not None and sim.peak_bytes <= target_bytes:
-            break
         if time.perf_counter() - t0 > time_limit_s:
             break
         t = sim.peak_time
@@ -81,8 +77,6 @@ def lower_peak(cg: CostGraph, saved, rerun=(), *, target_bytes: int | None = Non
             rr = sorted({*schedule.rerun, move})
             sch2, sim2, cost2 = evaluate(rr)
             if sch2.rerun == schedule.rerun:
-                continue
-            if max_cost is not None and cost2 > max_cost:
                 continue
             k = _key(sim2, cost2)
             if k[:2] < best[:2] and (found is None or k < found[0]):
