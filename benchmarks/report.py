@@ -239,9 +239,10 @@ def _scale_section(doc: dict) -> str:
         f"the loss (hold_outputs=False). On graphs of 3 or more identical layers CP-SAT starts from the "
         f"per-block decomposition's plan (`remat_compiler/solvers/blockwise.py`); when it cannot search "
         f"the full model within the limit, that plan is the answer and the gap is CP-SAT's bound, if any "
-        f"(100% when its search produced none). The objective `flops` counts kFLOPs plus one unit per "
-        f"recomputed op (the tie-break); the FLOP-only gap bounds counted FLOPs alone (CP-SAT's bound less "
-        f"the ops any plan could recompute; 0 for a plan that recomputes no counted FLOPs). Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
+        f"(100% when its search produced none). Under the objective `flops` CP-SAT minimises kFLOPs plus one "
+        f"unit per recomputed op; the per-op unit only breaks ties, so status and gap are those of counted "
+        f"FLOPs (CP-SAT's bound less the ops any plan could recompute; a plan that recomputes no counted "
+        f"FLOPs is optimal), and the tie-break gap is the gap on the whole objective. Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
         f"`{doc.get('command', '-')}`; code: {doc.get('code_version', 'unknown')}.", "",
         format_scale(doc)])
 

@@ -217,5 +217,33 @@ def test_cpsat_matches_brute_force_on_counted_flops(seed):
         gap = plan.extras["flop_gap"]
         assert 0.0 <= gap <= 1.0 and kflops * (1 - gap) <= least + 1e-9, (seed, budget, kflops, gap, least)
         assert kflops > 0 or gap == 0.0
+        assert plan.gap == 0.0 and "tiebreak_gap" in plan.extras
     with pytest.raises(ValueError, match="objective"):
         solve_cpsat(cg, peaks[-1], objective="bytes")
+
+
+def test_flops_status_is_that_of_counted_flops():
+    """Under objective="flops" the per-op unit only breaks ties: a plan recomputing no counted FLOPs is
+    optimal whatever CP-SAT proved about the tie-break, and otherwise the gap is the FLOP gap."""
+    from remat_compiler.plan import make_plan
+    from remat_compiler.solvers.cpsat import _flops_primary, flop_gap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+    _, cg = rc.analyze(model, (torch.randn(64, 64, requires_grad=True),))
+    kinds = {}
+    for k in range(len(cg.candidates) + 1):
+        for S in itertools.combinations(cg.candidates, k):
+            rec = set(build_schedule(cg, S).recomputed)
+            kflops = sum(cg.attr(n, "flops") // 1000 for n in rec if cg.attr(n, "runtime_s") > 0)
+            kinds.setdefault("matmul" if kflops else "pointwise" if rec else "none", S)
+    assert {"matmul", "pointwise"} <= set(kinds)
+    for kind, S in kinds.items():
+        plan = make_plan(cg, S, budget_bytes=None, solver="cpsat", status="feasible", gap=0.5,
+                         extras={"cost_bound_units": 1.0, "objective": "flops"})
+        plan = _flops_primary(cg, plan, "flops")
+        assert plan.extras["tiebreak_gap"] == 0.5
+        if kind != "matmul":  # no counted FLOPs recomputed: no plan can do better
+            assert plan.status == "optimal" and plan.gap == 0.0
+        else:
+            assert plan.status == "feasible" and plan.gap == flop_gap(cg, plan.recomputed, 1.0) > 0
