@@ -247,3 +247,23 @@ def test_flops_status_is_that_of_counted_flops():
             assert plan.status == "optimal" and plan.gap == 0.0
         else:
             assert plan.status == "feasible" and plan.gap == flop_gap(cg, plan.recomputed, 1.0) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lp_bound_is_below_every_fitting_plan(seed):
+    """The LP relaxation's value bounds the cost of every plan that fits, at every budget, and it
+    is not vacuous: where every fitting plan recomputes something costly, it is positive."""
+    from remat_compiler.solvers.cpsat import build_model, lp_bound
+
+    _model, _x, cg = _graph(seed)
+    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
+                    for k in range(len(cg.candidates) + 1)
+                    for s in itertools.combinations(cg.candidates, k)})
+    positive = 0
+    for budget in sorted(set(peaks[:: max(1, len(peaks) // 6)])):
+        rm = build_model(cg, budget, objective="runtime")
+        bound = lp_bound(rm)
+        best = brute_force(cg, budget, "runtime")
+        assert bound is not None and bound * rm.cost_gcd <= best, (seed, budget, bound, best)
+        positive += bound > 0
+    assert positive >= 1

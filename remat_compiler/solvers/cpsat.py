@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from functools import reduce
 
+from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from remat_compiler.costgraph import CostGraph
@@ -46,7 +47,7 @@ from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, i
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
 
-__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "flop_gap", "RematModel",
+__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "flop_gap", "lp_bound", "RematModel",
            "build_model", "block_classes"]
 
 
@@ -395,23 +396,103 @@ def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_
                 const[F + j] += size
             else:
                 terms[F + j].append((size, v))
-    for t in range(T):
+    for t in _undominated(const, F):
         if terms[t]:
             m.add(sum(c * s[v] for c, v in terms[t]) + const[t] <= peak)
         else:
             m.add(peak >= const[t])
 
 
+def _undominated(const: list[int], F: int) -> list[int]:
+    """The times whose step bound no other one implies.
+
+    In the forward a time's saved terms include every earlier time's (values saved after their last
+    forward read stay saved), and in the backward every later time's terms are among an earlier
+    time's (a value leaves the sum when backward reads it for the first time or is done with it).
+    So a forward bound is implied by a later forward one with at least its constant, and a backward
+    bound by an earlier backward one with at least its constant. On deep graphs this removes most of
+    them, which CP-SAT's presolve otherwise spends the time limit on.
+    """
+    keep, best = [], None
+    for t in range(F - 1, -1, -1):
+        if best is None or const[t] > best:
+            keep.append(t)
+            best = const[t]
+    best = None
+    for t in range(F, len(const)):
+        if best is None or const[t] > best:
+            keep.append(t)
+            best = const[t]
+    return sorted(keep)
+
+
+def lp_bound(rm: RematModel, time_limit_s: float = 5.0) -> float | None:
+    """A lower bound on the model's objective from the LP relaxation of its linear part (GLOP).
+
+    The relaxation keeps the linear constraints without enforcement literals, the implications
+    and clauses (as linear rows), and every variable's bounds; it drops the cumulative and the
+    start-time constraints. Each real plan is a point of it, so its optimum bounds every plan from
+    below. CP-SAT's own bound on these models is that LP's value when its search gets to it; on
+    deep graphs (GPT-2 at 48 layers) its presolve and LP take the whole time limit, so the plan
+    would carry no bound at all. None if GLOP does not prove its optimum in time.
+    """
+    proto = rm.model.proto
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    if lp is None:
+        return None
+    inf = lp.infinity()
+    xs = [lp.NumVar(float(v.domain[0]), float(v.domain[len(v.domain) - 1]), "") for v in proto.variables]
+
+    def row(lo: float, pairs) -> None:  # sum of coeff * literal >= lo, literals as CP-SAT indices
+        const, coeffs = 0.0, {}
+        for lit, co in pairs:
+            if lit >= 0:
+                coeffs[lit] = coeffs.get(lit, 0.0) + co
+            else:  # a negated literal: 1 - x
+                const += co
+                coeffs[-lit - 1] = coeffs.get(-lit - 1, 0.0) - co
+        ct = lp.RowConstraint(lo - const, inf, "")
+        for i, co in coeffs.items():
+            ct.SetCoefficient(xs[i], co)
+
+    for c in proto.constraints:
+        if c.has_linear() and not c.enforcement_literal:
+            d = c.linear.domain
+            lo, hi = d[0], d[len(d) - 1]
+            ct = lp.RowConstraint(float(lo) if lo > -2 ** 62 else -inf, float(hi) if hi < 2 ** 62 else inf, "")
+            for i, co in zip(c.linear.vars, c.linear.coeffs):
+                ct.SetCoefficient(xs[i], float(co))
+        elif c.has_bool_or():
+            lits = list(c.bool_or.literals)
+            for en in c.enforcement_literal or [None]:  # or(lits) when en holds: sum(lits) >= en
+                row(0.0 if en is not None else 1.0, [(x, 1.0) for x in lits] + ([(en, -1.0)] if en is not None else []))
+        elif c.has_bool_and() and c.enforcement_literal:
+            for en in c.enforcement_literal:
+                for x in c.bool_and.literals:
+                    row(0.0, [(x, 1.0), (en, -1.0)])
+    obj = lp.Objective()
+    for i, co in zip(proto.objective.vars, proto.objective.coeffs):
+        obj.SetCoefficient(xs[i], float(co))
+    obj.SetMinimization()
+    lp.SetTimeLimit(int(max(0.05, time_limit_s) * 1000))
+    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+        return None
+    scale = proto.objective.scaling_factor or 1.0
+    value = (obj.Value() + proto.objective.offset) * scale
+    return math.floor(value - 1e-6 * abs(value) - 1e-6)  # below GLOP's tolerance
+
+
 class _Progress(cp_model.CpSolverSolutionCallback):
     """Reports elapsed time, best cost and bound to a callback as solutions arrive."""
 
-    def __init__(self, report):
+    def __init__(self, report, floor: float | None = None):
         super().__init__()
         self._report = report
         self._t0 = time.perf_counter()
+        self._floor = floor or 0.0  # a bound known from elsewhere (the LP relaxation)
 
     def on_solution_callback(self) -> None:
-        obj, bound = self.ObjectiveValue(), self.BestObjectiveBound()
+        obj, bound = self.ObjectiveValue(), max(self.BestObjectiveBound(), self._floor)
         gap = 0.0 if obj == 0 else abs(obj - bound) / max(abs(obj), 1e-9)
         self._report({"elapsed_s": time.perf_counter() - self._t0, "objective": obj,
                       "bound": bound, "gap": gap})
@@ -758,10 +839,11 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if warm is not None:
         _hint(rm, cg, warm)
     t_build = time.perf_counter() - t_build
+    relaxed = lp_bound(rm, min(5.0, 0.2 * time_limit_s)) if budget_bytes is not None else None
     total_s = time_limit_s
     share = 0.8 if minimize_peak else 1.0  # the rest goes to the peak-minimising second solve
     solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
-    cb = _Progress(progress) if progress else None
+    cb = _Progress(progress, relaxed) if progress else None
     status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT model invalid: {rm.model.validate()}")
@@ -769,7 +851,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         # CP-SAT stopped before reaching the hinted plan (a big graph's presolve): that plan fits
         saved = set(build_schedule(cg, warm).saved)
         best_cost = _set_cost_units(cg, saved, objective) // rm.cost_gcd
-        bound = solver.best_objective_bound
+        bound = max(solver.best_objective_bound, relaxed or 0.0)
         gap = 0.0 if best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
         model_peak, optimal = simulate(cg, build_schedule(cg, saved)).peak_bytes, False
     elif status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
@@ -817,17 +899,18 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         saved = {v for v, var in rm.saved.items() if solver.value(var)}
         best_cost = int(round(solver.objective_value))
-        bound = solver.best_objective_bound
-        optimal = status == cp_model.OPTIMAL
+        bound = max(solver.best_objective_bound, relaxed or 0.0)
+        optimal = status == cp_model.OPTIMAL or bound >= best_cost
         gap = 0.0 if optimal or best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
         model_peak = solver.value(rm.peak) * rm.unit_bytes
     # the peak-minimising second solve, if there is time to build its model and search
-    if minimize_peak and total_s - (time.perf_counter() - t0) > 2 * t_build:
+    finish_s = 0.05 * total_s  # kept for building the plan after the last solve
+    if minimize_peak and total_s - (time.perf_counter() - t0) > 2 * t_build + finish_s + 0.5:
         rm2 = build_model(cg, budget_bytes, minimize="peak", max_cost=best_cost * rm.cost_gcd,
                           forced_saved=forced_saved, forbidden_saved=forbidden_saved, objective=objective)
         _hint(rm2, cg, saved)
-        left = total_s - (time.perf_counter() - t0)
-        solver2 = _solver(max(1.0, min(left, 0.25 * total_s)), num_workers, deterministic)
+        left = total_s - (time.perf_counter() - t0) - finish_s
+        solver2 = _solver(max(0.2, min(left, 0.25 * total_s)), num_workers, deterministic)
         status2 = solver2.solve(rm2.model)
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             saved = {v for v, var in rm2.saved.items() if solver2.value(var)}
