@@ -823,7 +823,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective))
         composed = None
         if block_reuse:  # per-block options composed under the budget (many identical blocks)
-            composed = _blockwise(cg, budget_bytes, objective, min(5.0, 0.25 * time_limit_s),
+            composed = _blockwise(cg, budget_bytes, objective, min(15.0, 0.3 * time_limit_s),
                                   forced_saved, forbidden_saved)
         tied = None
         if block_reuse and composed is None:
