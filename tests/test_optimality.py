@@ -267,3 +267,25 @@ def test_lp_bound_is_below_every_fitting_plan(seed):
         assert bound is not None and bound * rm.cost_gcd <= best, (seed, budget, bound, best)
         positive += bound > 0
     assert positive >= 1
+
+
+def test_step_bounds_keep_only_those_no_other_implies():
+    """Forward bounds gain terms over time and backward bounds lose them, so a forward bound with a
+    later one at least as large, or a backward bound with an earlier one, is implied; dropping the
+    implied ones leaves the LP relaxation's value unchanged."""
+    from remat_compiler.solvers import cpsat
+    from remat_compiler.solvers.cpsat import _undominated, build_model, lp_bound
+
+    assert _undominated([1, 5, 3, 2, 4, 7, 6, 8, 2], F=5) == [1, 4, 5, 7]
+    _model, _x, cg = _graph(2)
+    budget = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
+                     for k in range(len(cg.candidates) + 1)
+                     for s in itertools.combinations(cg.candidates, k)})[0]
+    pruned = lp_bound(build_model(cg, budget))
+    keep = cpsat._undominated
+    try:
+        cpsat._undominated = lambda const, F: list(range(len(const)))
+        every = lp_bound(build_model(cg, budget))
+    finally:
+        cpsat._undominated = keep
+    assert pruned is not None and abs(pruned - every) <= 1e-6 * max(1, abs(every)) + 1
