@@ -240,10 +240,11 @@ def _scale_section(doc: dict) -> str:
         f"per-block decomposition's plan (`remat_compiler/solvers/blockwise.py`); when it cannot search "
         f"the full model within the limit, that plan is the answer. The gap's bound is the larger of "
         f"CP-SAT's and the LP relaxation of the model's linear part (GLOP, `cpsat.lp_bound`), which "
-        f"CP-SAT's own search does not reach within the limit on 48 layers. Under the objective `flops` CP-SAT minimises kFLOPs plus one "
-        f"unit per recomputed op; the per-op unit only breaks ties, so status and gap are those of counted "
-        f"FLOPs (CP-SAT's bound less the ops any plan could recompute; a plan that recomputes no counted "
-        f"FLOPs is optimal), and the tie-break gap is the gap on the whole objective. Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
+        f"CP-SAT's own search does not reach within the limit on 48 layers. Under the objective `flops` "
+        f"CP-SAT minimises kFLOPs plus one unit per recomputed op; the per-op unit only breaks ties, so "
+        f"status and gap are those of counted FLOPs (CP-SAT's bound less the ops any plan could "
+        f"recompute; a plan that recomputes no counted FLOPs is optimal), and the tie-break gap is the "
+        f"gap on the whole objective. Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
         f"`{doc.get('command', '-')}`; code: {doc.get('code_version', 'unknown')}.", "",
         format_scale(doc)])
 

@@ -47,8 +47,8 @@ from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, i
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
 
-__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "flop_gap", "lp_bound", "RematModel",
-           "build_model", "block_classes"]
+__all__ = ["solve_cpsat", "min_feasible_peak", "cost_units", "plan_cost_units", "flop_gap", "lp_bound",
+           "RematModel", "build_model", "block_classes"]
 
 
 OBJECTIVES = ("runtime", "flops")
@@ -354,7 +354,7 @@ def _saved_reach(cg: CostGraph, rc_readers, in_m, earliest: dict[str, int], B: i
 
 def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_first, s,
                      reach) -> None:
-    """Redundant linear constraints, one per forward node and per backward node: memory that is live
+    """Redundant linear constraints at forward and backward node times: memory that is live
     at that node's time whatever else the plan does.
 
     The cumulative alone gives CP-SAT no useful LP bound. At forward node t a candidate is certainly
@@ -363,7 +363,8 @@ def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_
     needs it there), and before that whenever it is saved; a saved value backward reads only through
     recomputation is live at least until the earliest step one of its readers can be recomputed
     (``reach``), so at the backward nodes before it. All are lower bounds of the cumulative's load at
-    those times, so adding them removes no plan.
+    those times, so adding them removes no plan. Of them, only those no other one implies are kept
+    (:func:`_undominated`).
     """
     points = list(range(F)) + [bw_time(F, j) for j in range(B)]  # sorted times of fw and bw nodes
     T = len(points)
@@ -459,13 +460,15 @@ def lp_bound(rm: RematModel, time_limit_s: float = 5.0) -> float | None:
         if c.has_linear() and not c.enforcement_literal:
             d = c.linear.domain
             lo, hi = d[0], d[len(d) - 1]
-            ct = lp.RowConstraint(float(lo) if lo > -2 ** 62 else -inf, float(hi) if hi < 2 ** 62 else inf, "")
+            ct = lp.RowConstraint(float(lo) if lo > -2 ** 62 else -inf,
+                                  float(hi) if hi < 2 ** 62 else inf, "")
             for i, co in zip(c.linear.vars, c.linear.coeffs):
                 ct.SetCoefficient(xs[i], float(co))
         elif c.has_bool_or():
             lits = list(c.bool_or.literals)
             for en in c.enforcement_literal or [None]:  # or(lits) when en holds: sum(lits) >= en
-                row(0.0 if en is not None else 1.0, [(x, 1.0) for x in lits] + ([(en, -1.0)] if en is not None else []))
+                enforced = [(en, -1.0)] if en is not None else []
+                row(0.0 if en is not None else 1.0, [(x, 1.0) for x in lits] + enforced)
         elif c.has_bool_and() and c.enforcement_literal:
             for en in c.enforcement_literal:
                 for x in c.bool_and.literals:
