@@ -210,8 +210,10 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   plan for each budget: every peer's measured peak (in bytes), fractions of the no-recompute plan's
   predicted peak, and the smallest feasible budget. CP-SAT minimises the objective named per workload
   (`flops`: counted FLOPs recomputed, memory-bound ops breaking ties; `runtime`: the roofline runtime
-  estimate). Status `feasible` means CP-SAT stopped at its time limit; the gap is its proven relative gap
-  on that objective, over plans that recompute each value once. Below the lowest peak of those plans,
+  estimate). Status `feasible` means CP-SAT stopped at its time limit; the gap is the proven relative gap
+  on that objective (under `flops`, on counted FLOPs alone: the tie-break does not count), over plans
+  that recompute each value once, from the larger of CP-SAT's bound and the LP relaxation of the model's
+  linear part. Below the lowest peak of those plans,
   the smallest feasible budget and the plan for it use reruns (a value recomputed again at a later
   backward step, found by local search: no proven gap).
 - **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every

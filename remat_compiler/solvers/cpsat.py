@@ -842,7 +842,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if warm is not None:
         _hint(rm, cg, warm)
     t_build = time.perf_counter() - t_build
-    relaxed = lp_bound(rm, min(5.0, 0.2 * time_limit_s)) if budget_bytes is not None else None
+    # the LP bound matters only where something must be recomputed (otherwise the optimum costs 0)
+    needs_recompute = budget_bytes is not None and base_peak > budget_bytes
+    relaxed = lp_bound(rm, min(5.0, 0.2 * time_limit_s)) if needs_recompute else None
     total_s = time_limit_s
     share = 0.8 if minimize_peak else 1.0  # the rest goes to the peak-minimising second solve
     solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
