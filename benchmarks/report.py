@@ -212,8 +212,9 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   (`flops`: counted FLOPs recomputed, memory-bound ops breaking ties; `runtime`: the roofline runtime
   estimate). Status `feasible` means CP-SAT stopped at its time limit; the gap is the proven relative gap
   on that objective (under `flops`, on counted FLOPs alone: the tie-break does not count), over plans
-  that recompute each value once, from the larger of CP-SAT's bound and the LP relaxation of the model's
-  linear part. Below the lowest peak of those plans,
+  that recompute each value once, from the largest of CP-SAT's bound, the LP relaxation of the model's
+  linear part and, on 3 or more identical layers, the block decomposition's bound
+  (`remat_compiler/solvers/blockbound.py`). Below the lowest peak of those plans,
   the smallest feasible budget and the plan for it use reruns (a value recomputed again at a later
   backward step, found by local search: no proven gap).
 - **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every
@@ -238,11 +239,13 @@ def _scale_section(doc: dict) -> str:
         "## scale (plan time)", "",
         f"{doc['description']}. {doc['threads']} torch thread(s), torch {doc['torch']}, CP-SAT with "
         f"{doc['num_workers']} workers, objective {doc.get('objective', 'runtime')}; the step keeps only "
-        f"the loss (hold_outputs=False). On graphs of 3 or more identical layers CP-SAT starts from the "
-        f"per-block decomposition's plan (`remat_compiler/solvers/blockwise.py`); when it cannot search "
-        f"the full model within the limit, that plan is the answer. The gap's bound is the larger of "
-        f"CP-SAT's and the LP relaxation of the model's linear part (GLOP, `cpsat.lp_bound`), which "
-        f"CP-SAT's own search does not reach within the limit on 48 layers. Under the objective `flops` "
+        f"the loss (hold_outputs=False). On graphs of 3 or more identical layers the block decomposition "
+        f"(`remat_compiler/solvers/blockbound.py`) bounds the cost from below with whole per-block plans "
+        f"and composes the plan its bound picks; when that plan fits and meets the bound (up to a few "
+        f"tie-break units outside the layers) no search follows, else it seeds CP-SAT. Each solve here "
+        f"builds the block menu anew (cold: a sweep in one process reuses it). The gap's bound is the "
+        f"largest of CP-SAT's, the LP relaxation of the model's linear part (GLOP, `cpsat.lp_bound`) and "
+        f"the decomposition's. Under the objective `flops` "
         f"CP-SAT minimises kFLOPs plus one unit per recomputed op; the per-op unit only breaks ties, so "
         f"status and gap are those of counted FLOPs (CP-SAT's bound less the ops any plan could "
         f"recompute; a plan that recomputes no counted FLOPs is optimal), and the tie-break gap is the "

@@ -43,6 +43,7 @@ from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
 from remat_compiler.solvers.basic import block_boundary_set
+from remat_compiler.solvers.blockbound import block_bound
 from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
@@ -599,6 +600,33 @@ def _blockwise(cg: CostGraph, budget_bytes: int, objective: str, time_limit_s: f
     return saved if saved is not None and _complies(saved, forced_saved, forbidden_saved) else None
 
 
+def _block_decomposition(cg: CostGraph, budget_bytes: int, objective: str, time_limit_s: float,
+                         num_workers, deterministic):
+    """The block decomposition's bound (:mod:`.blockbound`) and its plan: the bound's choice of
+    block plans, with what lies outside the blocks left to a CP-SAT solve of the full model (the
+    composition saves everything there, which may not fit). Returns (bound in cost units or None,
+    saved set that fits or None)."""
+    t0 = time.perf_counter()
+    found = block_bound(cg, budget_bytes, lambda n: cost_units(cg, n, objective),
+                        time_limit_s=0.88 * time_limit_s, cost_key=objective)
+    if found is None:
+        return None, None
+    if found.saved is None:
+        return found.bound, None
+    blocks = found.block_candidates
+    rm = build_model(cg, budget_bytes, objective=objective,
+                     forced_saved=[v for v in blocks if v in found.saved],
+                     forbidden_saved=[v for v in blocks if v not in found.saved])
+    _hint(rm, cg, found.saved)
+    solver = _solver(max(0.5, time_limit_s - (time.perf_counter() - t0)), num_workers, deterministic)
+    if solver.solve(rm.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return found.bound, None
+    saved = {v for v, var in rm.saved.items() if solver.value(var)}
+    if simulate(cg, build_schedule(cg, saved)).peak_bytes > budget_bytes:
+        return found.bound, None
+    return found.bound, saved
+
+
 def _complies(saved, forced_saved, forbidden_saved) -> bool:
     """Whether a saved set honours the forced and forbidden saves of a policy."""
     saved = set(saved)
@@ -784,11 +812,13 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         Hint CP-SAT with the no-recompute plan if it fits, else with the best of the heuristics and
         (``block_reuse``) the block-uniform plan.
     block_reuse, block_reuse_share :
-        Reuse identical repeated blocks (transformer layers): with 3 or more, compose per-block
-        options under the budget (:mod:`remat_compiler.solvers.blockwise`); otherwise (or if that
-        finds nothing) solve the model where identical blocks make the same decisions, for this share
-        of the time limit. Either plan seeds the full model, which may then treat each block
-        differently. Every plan is still checked by the simulator.
+        Reuse identical repeated blocks (transformer layers): with 3 or more (and no policy), the
+        block decomposition (:mod:`remat_compiler.solvers.blockbound`) gives a proven lower bound
+        and, from its choice of per-block plans, a plan; when that plan meets the bound (up to the
+        tie-break) no search follows. Otherwise per-block options composed under the budget
+        (:mod:`remat_compiler.solvers.blockwise`), or the model where identical blocks make the same
+        decisions (for this share of the time limit), seed the full model, which may then treat
+        each block differently. Every plan is still checked by the simulator.
     forced_saved, forbidden_saved :
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional
@@ -819,21 +849,24 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
     all_saved = set(save_all_set(cg))
     base_peak = simulate(cg, build_schedule(cg, all_saved)).peak_bytes
-    warm = None
+    warm, block_lb, decomposed = None, None, None
     if budget_bytes is None or base_peak <= budget_bytes:
         warm = all_saved if _complies(all_saved, forced_saved, forbidden_saved) else None
     elif warm_start:
         heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective))
-        composed = None
-        if block_reuse:  # per-block options composed under the budget (many identical blocks)
+        if block_reuse and not forced_saved and not forbidden_saved:
+            # identical blocks: the decomposition's bound, and its plan (often optimal)
+            block_lb, decomposed = _block_decomposition(cg, budget_bytes, objective, 0.85 * time_limit_s,
+                                                        num_workers, deterministic)
+        composed = tied = None
+        if block_reuse and decomposed is None:  # per-block options composed under the budget
             composed = _blockwise(cg, budget_bytes, objective, min(15.0, 0.3 * time_limit_s),
                                   forced_saved, forbidden_saved)
-        tied = None
-        if block_reuse and composed is None:
+        if block_reuse and decomposed is None and composed is None:
             tied = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
                                deterministic, forced_saved, forbidden_saved, heuristic, objective)
         known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
-        warm = min([w for w in (composed, tied, heuristic, *known)
+        warm = min([w for w in (decomposed, composed, tied, heuristic, *known)
                     if w is not None and _complies(w, forced_saved, forbidden_saved)], default=None,
                    key=lambda w: _set_cost_units(cg, w, objective))
     t_build = time.perf_counter()
@@ -845,14 +878,33 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     # the LP bound matters only where something must be recomputed (otherwise the optimum costs 0)
     needs_recompute = budget_bytes is not None and base_peak > budget_bytes
     relaxed = lp_bound(rm, min(5.0, 0.2 * time_limit_s)) if needs_recompute else None
+    if block_lb is not None and math.isfinite(block_lb):  # the decomposition's, in cost units
+        relaxed = max(relaxed or 0.0, block_lb / rm.cost_gcd)
     total_s = time_limit_s
     share = 0.8 if minimize_peak else 1.0  # the rest goes to the peak-minimising second solve
-    solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
-    cb = _Progress(progress, relaxed) if progress else None
-    status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
-    if status == cp_model.MODEL_INVALID:
+    warm_cost = _set_cost_units(cg, warm, objective) / rm.cost_gcd if warm is not None else None
+    if (decomposed is not None and warm is not None and relaxed is not None
+            and warm_cost <= relaxed + max(1.0, 1e-5 * warm_cost)):
+        # the decomposition's plan meets its bound (up to a few tie-break units outside the
+        # blocks): a search could not improve it meaningfully, so it stands for the search's result
+        solver, status = None, "proven"
+    else:
+        solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
+        cb = _Progress(progress, relaxed) if progress else None
+        status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+    if status == "proven":
+        saved = set(build_schedule(cg, warm).saved)
+        best_cost = _set_cost_units(cg, saved, objective) // rm.cost_gcd
+        bound = relaxed
+        optimal = bound >= best_cost
+        gap = 0.0 if optimal or best_cost == 0 else max(0.0, (best_cost - bound) / best_cost)
+        model_peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
+        if progress:
+            progress({"elapsed_s": time.perf_counter() - t0, "objective": best_cost, "bound": bound,
+                      "gap": gap})
+    elif status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT model invalid: {rm.model.validate()}")
-    if status == cp_model.UNKNOWN and warm is not None:
+    elif status == cp_model.UNKNOWN and warm is not None:
         # CP-SAT stopped before reaching the hinted plan (a big graph's presolve): that plan fits
         saved = set(build_schedule(cg, warm).saved)
         best_cost = _set_cost_units(cg, saved, objective) // rm.cost_gcd
