@@ -854,8 +854,11 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         warm = all_saved if _complies(all_saved, forced_saved, forbidden_saved) else None
     elif warm_start:
         heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective))
-        if block_reuse and not forced_saved and not forbidden_saved:
-            # identical blocks: the decomposition's bound, and its plan (often optimal)
+        free = (objective == "flops" and heuristic is not None
+                and flop_gap(cg, build_schedule(cg, heuristic).recomputed, 0) == 0)
+        if block_reuse and not forced_saved and not forbidden_saved and not free:
+            # identical blocks: the decomposition's bound, and its plan (often optimal); not when the
+            # heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already)
             block_lb, decomposed = _block_decomposition(cg, budget_bytes, objective, 0.85 * time_limit_s,
                                                         num_workers, deterministic)
         composed = tied = None
@@ -889,7 +892,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         # blocks): a search could not improve it meaningfully, so it stands for the search's result
         solver, status = None, "proven"
     else:
-        solver = _solver(max(1.0, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
+        solver = _solver(max(0.5, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
         cb = _Progress(progress, relaxed) if progress else None
         status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
     if status == "proven":
