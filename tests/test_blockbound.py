@@ -12,7 +12,7 @@ import torch.nn as nn
 import remat_compiler as rc
 from remat_compiler.schedule import build_schedule, simulate
 from remat_compiler.solvers.basic import block_boundary_set
-from remat_compiler.solvers.blockbound import block_bound
+from remat_compiler.solvers.blockbound import _MENUS, block_bound
 from remat_compiler.solvers.cpsat import build_model, cost_units, lp_bound, solve_cpsat
 
 
@@ -105,3 +105,17 @@ def test_gpt2_bound_beats_the_lp_and_its_plan_is_optimal(gpt2):
     assert plan.extras["cost_bound_units"] >= found.bound
     assert plan.extras["tiebreak_gap"] <= 1e-3, plan.extras
     assert plan.extras["cost_units"] <= searched.extras["cost_units"]
+
+
+def test_kept_menus_follow_the_costs():
+    """A menu kept for a graph and objective is reused only for the same costs: with every cost
+    doubled (another cost model, same graph) the bound doubles."""
+    cg = _stack(16, 64, 512)
+    budget = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes
+    kept = len(_MENUS)
+    once = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), cost_key="test-flops")
+    assert len(_MENUS) == kept + 1
+    again = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), cost_key="test-flops")
+    assert len(_MENUS) == kept + 1 and again.bound == once.bound > 0
+    double = block_bound(cg, budget, lambda n: 2 * cost_units(cg, n, "flops"), cost_key="test-flops")
+    assert len(_MENUS) == kept + 2 and double.bound == 2 * once.bound

@@ -590,7 +590,7 @@ def _compose(menu: list[_Option], frame: _Frame, budget: int):
     return cost, choice[::-1]
 
 
-#: Block menus by (graph fingerprint, cost key): they do not depend on the budget.
+#: Block menus by (graph fingerprint, cost key, block costs): they do not depend on the budget.
 _MENUS: dict[tuple, _Menu] = {}
 
 
@@ -615,7 +615,9 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: floa
     fixed = _fixed_intervals(cg, lay)
     k = lay.L // 2
     frame = _Frame(cg, lay, fixed, k)
-    key = (cg.fingerprint, cost_key)
+    # the fingerprint does not cover costs (a runtime estimate depends on the cost model): key on
+    # the reference block's costs too
+    key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]))
     menu = _MENUS.get(key) if cost_key is not None else None
     if menu is None:
         sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in set(cg.candidates)]

@@ -812,10 +812,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         Hint CP-SAT with the no-recompute plan if it fits, else with the best of the heuristics and
         (``block_reuse``) the block-uniform plan.
     block_reuse, block_reuse_share :
-        Reuse identical repeated blocks (transformer layers): with 3 or more (and no policy), the
-        block decomposition (:mod:`remat_compiler.solvers.blockbound`) gives a proven lower bound
-        and, from its choice of per-block plans, a plan; when that plan meets the bound (up to the
-        tie-break) no search follows. Otherwise per-block options composed under the budget
+        Reuse identical repeated blocks (transformer layers): with 3 or more (no policy, not
+        ``deterministic``), the block decomposition (:mod:`remat_compiler.solvers.blockbound`)
+        gives a proven lower bound and, from its choice of per-block plans, a plan; when that plan
+        meets the bound (up to the tie-break) no search follows. Otherwise per-block options composed under the budget
         (:mod:`remat_compiler.solvers.blockwise`), or the model where identical blocks make the same
         decisions (for this share of the time limit), seed the full model, which may then treat
         each block differently. Every plan is still checked by the simulator.
@@ -856,9 +856,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective))
         free = (objective == "flops" and heuristic is not None
                 and flop_gap(cg, build_schedule(cg, heuristic).recomputed, 0) == 0)
-        if block_reuse and not forced_saved and not forbidden_saved and not free:
+        if block_reuse and not forced_saved and not forbidden_saved and not free and not deterministic:
             # identical blocks: the decomposition's bound, and its plan (often optimal); not when the
-            # heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already)
+            # heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already), nor in
+            # deterministic mode (its solves run against the wall clock)
             block_lb, decomposed = _block_decomposition(cg, budget_bytes, objective, 0.85 * time_limit_s,
                                                         num_workers, deterministic)
         composed = tied = None
