@@ -63,6 +63,7 @@ from ortools.sat.python import cp_model
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
 from remat_compiler.solvers.blockwise import block_stack
+from remat_compiler.solvers.cpmodel import add_decisions, add_first_need, alloc_index, is_const
 
 __all__ = ["BlockBound", "block_bound"]
 
@@ -173,15 +174,6 @@ class _Profile:
         return self.s_cum[bisect.bisect_right(self.s_at, t)] - self.e_cum[bisect.bisect_left(self.e_at, t)]
 
 
-def _alloc_index(cg: CostGraph, v: str) -> int:
-    """Forward index of the op that allocates v (a multi-output op allocates all its outputs)."""
-    if cg.attr(v, "op") == "getitem":
-        parent = cg.preds(v)[0]
-        if cg.attr(parent, "is_tuple"):
-            return cg.fw_index[parent]
-    return cg.fw_index[v]
-
-
 def _fw_reads(cg: CostGraph) -> dict[str, int]:
     """Last forward node index reading each storage (the forward's outputs: its last node)."""
     last: dict[str, int] = {}
@@ -209,17 +201,12 @@ def _fixed_intervals(cg: CostGraph, lay: _Layout):
     for v in cg.candidates:
         if cg.attr(v, "block") in blocks or cg.is_available_in_bw(v):
             continue
-        a = _alloc_index(cg, v)
+        a = alloc_index(cg, v)
         fixed.append((a, max(fw_last.get(v, a), a), cg.attr(v, "bytes")))
         if lay.sreads.get(v):
             fixed.append((bw_time(lay.F, min(lay.sreads[v])), bw_time(lay.F, max(lay.sreads[v])),
                           cg.attr(v, "bytes")))
     return fixed
-
-
-def _is_const(var) -> bool:
-    dom = var.proto.domain
-    return len(dom) == 2 and dom[0] == dom[1]
 
 
 class _BlockModel:
@@ -237,7 +224,6 @@ class _BlockModel:
         F = lay.F
         self.nodes = lay.nodes[k]
         M = [v for v in self.nodes if not cg.is_available_in_bw(v)]
-        in_m = set(M)
         cand_set = set(cg.candidates)
         cands = [v for v in M if v in cand_set]
         self.ws = lay.ws[k]
@@ -249,22 +235,8 @@ class _BlockModel:
         m = cp_model.CpModel()
         reads = {v: lay.reads.get(v, []) for v in M}
         direct_first = {v: min(steps) for v, steps in reads.items() if steps}
-        s, r, need = {}, {}, {}
-        for v in M:
-            need[v] = m.new_constant(1) if v in direct_first else m.new_bool_var(f"n_{v}")
-            r[v] = m.new_constant(0) if cg.attr(v, "never_recompute") else m.new_bool_var(f"r_{v}")
-            if v in cand_set:
-                s[v] = m.new_bool_var(f"s_{v}")
-                m.add(s[v] <= need[v])
-                m.add(r[v] + s[v] >= need[v])
-                m.add(r[v] + s[v] <= 1)
-            else:
-                m.add(r[v] == need[v])
-        for u in M:
-            for p in cg.preds(u):
-                if p in in_m:
-                    m.add_implication(r[u], need[p])
-        costs = {v: int(cost_of(v)) for v in M if not _is_const(r[v])}
+        s, r, _need = add_decisions(m, cg, M, set(direct_first))
+        costs = {v: int(cost_of(v)) for v in M if not is_const(r[v])}
         self.cost = m.new_int_var(0, sum(c for c in costs.values() if c > 0), "cost")
         m.add(self.cost == sum(c * r[v] for v, c in costs.items() if c > 0))
         self.held = m.new_int_var(0, sum(cg.attr(v, "bytes") // unit for v in cands), "held")
@@ -275,30 +247,9 @@ class _BlockModel:
     def _add_window(self, cg, lay, m, M, cands, s, r, reads, direct_first, window_fixed, memory) -> None:
         F, B, t0, t1, unit = lay.F, lay.B, self.t0, self.t1, self.unit
         in_m = set(M)
-        st, first = {}, {}
-        for v in M:
-            st[v] = m.new_int_var(0, B - 1, f"st_{v}")
-            first[v] = m.new_int_var(0, B - 1, f"first_{v}")
-        getitem_parent = {u: cg.preds(u)[0] for u in M
-                          if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
-        for v in M:
-            terms = [direct_first[v]] if v in direct_first else []
-            for w in cg.g.successors(v):
-                if w not in in_m:
-                    continue
-                at = first[w] if getitem_parent.get(w) == v else st[w]
-                x = m.new_int_var(0, B - 1, f"x_{v}_{w}")
-                if _is_const(r[w]):
-                    m.add(x == B - 1)
-                else:
-                    m.add(x == at).only_enforce_if(r[w])
-                    m.add(x == B - 1).only_enforce_if(~r[w])
-                terms.append(x)
-            m.add_min_equality(first[v], terms or [B - 1])
-            if v in getitem_parent:
-                m.add(st[v] == st[getitem_parent[v]]).only_enforce_if(r[v])
-            else:
-                m.add(st[v] == first[v])
+        st = {v: m.new_int_var(0, B - 1, f"st_{v}") for v in M}
+        first = {v: m.new_int_var(0, B - 1, f"first_{v}") for v in M}
+        add_first_need(m, cg, M, r, direct_first, B, first, st)
         rc_readers: dict[str, set[str]] = {}
         for u in M:
             for p in cg.preds(u):
@@ -323,7 +274,7 @@ class _BlockModel:
                 if u != v and u in in_m:
                     m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
             rc_start = m.new_int_var(0, T, f"rcs_{v}")
-            m.add(rc_start == bw_time(F, st[v], _alloc_index(cg, v)))
+            m.add(rc_start == bw_time(F, st[v], alloc_index(cg, v)))
             m.add(last >= rc_start).only_enforce_if(r[v])
             lasts[v] = last
             end = m.new_int_var(t0 - 1, t1, f"end_{v}")
@@ -378,7 +329,7 @@ class _BlockModel:
             saved_late = m.new_bool_var(f"sl_{v}")
             m.add(saved_late >= s[v] + late - 1)
             terms.append(size * saved_late)
-            if len(boundary) == 1 and not _is_const(r[v]):
+            if len(boundary) == 1 and not is_const(r[v]):
                 early = m.new_bool_var(f"early_{v}")
                 m.add(st[v] <= self.ws - 1).only_enforce_if(early)
                 m.add(st[v] >= self.ws).only_enforce_if(~early)
@@ -544,7 +495,7 @@ class _Frame:
         cands = set(cg.candidates)
         self.forward = []  # fixed plus the block's own forward values, during its forward
         for m in range(lay.L):
-            own = _Profile([(_alloc_index(cg, v), max(fw_last.get(v, 0), _alloc_index(cg, v)),
+            own = _Profile([(alloc_index(cg, v), max(fw_last.get(v, 0), alloc_index(cg, v)),
                              cg.attr(v, "bytes")) for v in lay.nodes[m] if v in cands])
             span = range(cg.fw_index[lay.nodes[m][0]], cg.fw_index[lay.nodes[m][-1]] + 1)
             self.forward.append(max(load(t) + own(t) for t in span))

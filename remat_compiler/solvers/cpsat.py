@@ -44,6 +44,7 @@ from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
 from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.blockbound import block_bound
+from remat_compiler.solvers.cpmodel import add_decisions, add_first_need, alloc_index, is_const
 from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
@@ -188,61 +189,19 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
                 direct.add(p)
                 direct_first.setdefault(p, j)
 
-    s, r, need, st = {}, {}, {}, {}
-    for v in M:
-        need[v] = m.new_constant(1) if v in direct else m.new_bool_var(f"n_{v}")
-        if cg.attr(v, "never_recompute"):
-            r[v] = m.new_constant(0)
-        else:
-            r[v] = m.new_bool_var(f"r_{v}")
-        if v in cand_set:
-            s[v] = m.new_bool_var(f"s_{v}")
-            m.add(s[v] <= need[v])
-            m.add(r[v] + s[v] >= need[v])
-            m.add(r[v] + s[v] <= 1)
-        else:
-            m.add(r[v] == need[v])
-        hi = direct_first.get(v, B - 1)
-        st[v] = m.new_int_var(0, hi, f"st_{v}")
+    s, r, need = add_decisions(m, cg, M, direct)
+    st = {v: m.new_int_var(0, direct_first.get(v, B - 1), f"st_{v}") for v in M}
     for v in forced_saved:
         if v in s:
             m.add(s[v] == 1)
     for v in forbidden_saved:
         if v in s:
             m.add(s[v] == 0)
-
-    # needs through recomputation edges
-    for u in M:
-        for p in cg.preds(u):
-            if p in in_m:
-                m.add_implication(r[u], need[p])
-    # Start times are exact, not bounds: a value's last read may be a recomputation that reads it,
-    # so an early start would let the model end a saved value's life before its real last read.
-    # first[v]: the first backward step that needs v (its direct first read, or the step where a
-    # recomputed reader is materialised); st[v]: the step where v is materialised when recomputed
-    # (= first[v], except a multi-output op's getitems, taken at the op's own step).
-    first, xs = {}, {}
-    getitem_parent = {u: cg.preds(u)[0] for u in M
-                      if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
+    # first[v], st[v]: the first backward step that needs v, and where v is materialised when
+    # recomputed (see cpmodel.add_first_need)
     earliest = _earliest_need(cg, M, direct_first, B)
-    for v in M:
-        first[v] = m.new_int_var(min(earliest[v], B - 1), B - 1, f"first_{v}")
-    for v in M:
-        terms = [direct_first[v]] if v in direct_first else []
-        for w in cg.g.successors(v):
-            if w not in in_m:
-                continue
-            at = first[w] if getitem_parent.get(w) == v else st[w]
-            x = m.new_int_var(0, B - 1, f"x_{v}_{w}")
-            xs[(v, w)] = x
-            m.add(x == at).only_enforce_if(r[w])
-            m.add(x == B - 1).only_enforce_if(~r[w] if not _is_const(r[w]) else m.new_constant(1))
-            terms.append(x)
-        m.add_min_equality(first[v], terms or [B - 1])
-        if v in getitem_parent:
-            m.add(st[v] == st[getitem_parent[v]]).only_enforce_if(r[v])
-        else:
-            m.add(st[v] == first[v])
+    first = {v: m.new_int_var(min(earliest[v], B - 1), B - 1, f"first_{v}") for v in M}
+    xs, getitem_parent = add_first_need(m, cg, M, r, direct_first, B, first, st)
 
     # memory, on the simulator's node-level time axis (forward node i at time i, then bw_time)
     t_end = bw_time(F, B - 1)
@@ -254,7 +213,7 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         demands.append(size // unit)
     for v in cands:
         size = cg.attr(v, "bytes") // unit
-        a = _alloc_index(cg, v)
+        a = alloc_index(cg, v)
         e = max(fw_reads.get(v, a), a)
         intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
         demands.append(size)
@@ -265,7 +224,7 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         for u in rc_readers.get(v, ()):
             if u in in_m and u != v:
                 m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
-        at = _alloc_index(cg, v)
+        at = alloc_index(cg, v)
         rc_start = m.new_int_var(bw_time(F, 0, at), bw_time(F, B - 1, at), f"rcs_{v}")
         m.add(rc_start == bw_time(F, st[v], at))
         m.add(last >= rc_start).only_enforce_if(r[v])
@@ -316,15 +275,6 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
                       fixed_peak_bytes=fixed_peak, cost_gcd=g, need=need, start=st, aux=aux,
                       num_fw_steps=F, num_bw_steps=B, first=first, xs=xs,
                       direct_first=direct_first, getitem_parent=getitem_parent)
-
-
-def _alloc_index(cg: CostGraph, v: str) -> int:
-    """Forward index of the op that allocates v: a multi-output op allocates all its outputs at once."""
-    if cg.attr(v, "op") == "getitem":
-        parent = cg.preds(v)[0]
-        if cg.attr(parent, "is_tuple"):
-            return cg.fw_index[parent]
-    return cg.fw_index[v]
 
 
 def _earliest_need(cg: CostGraph, M: list[str], direct_first: dict[str, int], B: int) -> dict[str, int]:
@@ -381,7 +331,7 @@ def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_
     terms: list[list[tuple[int, str]]] = [[] for _ in range(T)]
     for v in cg.candidates:
         size = cg.attr(v, "bytes") // unit
-        a = _alloc_index(cg, v)
+        a = alloc_index(cg, v)
         e = max(fw_reads.get(v, a), a)
         for t in range(a, e + 1):
             const[t] += size
@@ -651,10 +601,10 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
     for v, var in rm.saved.items():
         m.add_hint(var, 1 if v in saved else 0)
     for v, var in rm.recomputed.items():
-        if not isinstance(var, int) and var.index >= 0 and not _is_const(var):
+        if not isinstance(var, int) and var.index >= 0 and not is_const(var):
             m.add_hint(var, 1 if v in step_of else 0)
     for v, var in rm.need.items():
-        if not _is_const(var):
+        if not is_const(var):
             m.add_hint(var, 1 if (v in step_of or v in saved) else 0)
     B = rm.num_bw_steps
     first = {}
@@ -673,7 +623,7 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
         m.add_hint(var, step_of.get(v, first[v]))
     for v, a in rm.aux.items():
         st = step_of.get(v, first[v])
-        rc_start = bw_time(F, st, _alloc_index(cg, v))
+        rc_start = bw_time(F, st, alloc_index(cg, v))
         if v in saved:
             last = sim.times[(v, "fw")][1]
         elif v in step_of:
@@ -688,11 +638,6 @@ def _hint(rm: RematModel, cg: CostGraph, saved) -> None:
         m.add_hint(a["rc_size"], size)
         m.add_hint(a["rc_end"], rc_start + size)
     m.add_hint(rm.peak, -(-sim.peak_bytes // rm.unit_bytes))
-
-
-def _is_const(var) -> bool:
-    dom = var.proto.domain
-    return len(dom) == 2 and dom[0] == dom[1]
 
 
 def _next_lowest(rm: RematModel, found: list[frozenset], count: int, deadline: float, num_workers,
@@ -716,7 +661,7 @@ def _next_lowest(rm: RematModel, found: list[frozenset], count: int, deadline: f
 
 def _exclude(rm: RematModel, saved: frozenset) -> None:
     """Forbid the exact saved set ``saved`` in the model (a no-good cut)."""
-    flips = [(1 - var) if v in saved else var for v, var in rm.saved.items() if not _is_const(var)]
+    flips = [(1 - var) if v in saved else var for v, var in rm.saved.items() if not is_const(var)]
     if flips:
         rm.model.add(sum(flips) >= 1)
 
@@ -815,10 +760,11 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         Reuse identical repeated blocks (transformer layers): with 3 or more (no policy, not
         ``deterministic``), the block decomposition (:mod:`remat_compiler.solvers.blockbound`)
         gives a proven lower bound and, from its choice of per-block plans, a plan; when that plan
-        meets the bound (up to the tie-break) no search follows. Otherwise per-block options composed under the budget
-        (:mod:`remat_compiler.solvers.blockwise`), or the model where identical blocks make the same
-        decisions (for this share of the time limit), seed the full model, which may then treat
-        each block differently. Every plan is still checked by the simulator.
+        meets the bound (up to the tie-break) no search follows. Otherwise per-block options
+        composed under the budget (:mod:`remat_compiler.solvers.blockwise`), or the model where
+        identical blocks make the same decisions (for this share of the time limit), seed the full
+        model, which may then treat each block differently. Every plan is still checked by the
+        simulator.
     forced_saved, forbidden_saved :
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional
