@@ -571,7 +571,8 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: floa
     key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]))
     menu = _MENUS.get(key) if cost_key is not None else None
     if menu is None:
-        sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in set(cg.candidates)]
+        cands = set(cg.candidates)
+        sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in cands]
         menu = _Menu(_BlockModel(cg, lay, k, cost_of, fixed),
                      _BlockModel(cg, lay, k, cost_of, fixed, memory=False), sizes, deadline)
         if not menu.ok:
@@ -592,9 +593,9 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: floa
                  and b + d not in menu.bands}
         if not menu.refine(todo, deadline):
             return BlockBound(bound=cost, time_s=time.perf_counter() - t_start, menu_size=len(options))
-    saved = {v for v in cg.candidates if cg.attr(v, "block") not in set(lay.blocks)}
+    block_cands = {v for ns in lay.nodes for v in ns} & set(cg.candidates)
+    saved = set(cg.candidates) - block_cands
     for m, i in enumerate(choice):
         saved |= {lay.nodes[m][p] for p in options[i].saved}
-    block_cands = {v for ns in lay.nodes for v in ns} & set(cg.candidates)
     return BlockBound(bound=cost, saved=saved, block_candidates=block_cands, menu_size=len(options),
                       time_s=time.perf_counter() - t_start)
