@@ -420,9 +420,9 @@ class _Menu:
     below a multiple, so a plan whose H is a multiple sits at its band's lower edge. Band ``b``
     (plans with H in ``(lo_b, hi_b]``) is stood for by ``(lo_b + 1 unit, W_min, least cost with
     H <= hi_b)`` until refined, then by the staircase of cost over W of the plans with
-    ``H <= hi_b``, each labelled ``lo_b + 1 unit``. Either way every plan of the band is
-    dominated (no larger H, W or cost) by a point of the menu, so the menu's least total bounds
-    every plan's.
+    ``H <= hi_b``, each labelled ``lo_b + 1 unit`` (0 for the first band). Either way every plan
+    of the band is dominated (no larger H, W or cost) by a point of the menu, so the menu's least
+    total bounds every plan's.
     """
 
     def __init__(self, bm: _BlockModel, bm_h: _BlockModel, sizes: list[int], deadline: float):
@@ -440,6 +440,10 @@ class _Menu:
         self.edges = sorted(set(edges))  # band b: (edges[b], edges[b + 1]]
         self.bands: dict[int, list[_Option]] = {}
 
+    def _label(self, b: int) -> int:
+        """The least H of band b's plans (H is a multiple of the unit, above the band's lower edge)."""
+        return 0 if b == 0 else self.edges[b] + self.bm.unit
+
     def _least_cost(self, h: int) -> int:
         return min(o.cost for o in self.levels if o.H <= h)
 
@@ -447,14 +451,14 @@ class _Menu:
         """The current menu and, per option, the band it stands in for (None: refined)."""
         menu, stand = [], []
         for b in range(len(self.edges) - 1):
-            lo, hi = self.edges[b], self.edges[b + 1]
+            hi = self.edges[b + 1]
             if not any(o.H <= hi for o in self.levels):
                 continue  # no plan has H this low
             if b in self.bands:
                 menu.extend(self.bands[b])
                 stand.extend([None] * len(self.bands[b]))
             else:
-                menu.append(_Option(H=lo + self.bm.unit, W=self.w_min, cost=self._least_cost(hi), saved=None))
+                menu.append(_Option(H=self._label(b), W=self.w_min, cost=self._least_cost(hi), saved=None))
                 stand.append(b)
         return menu, stand
 
@@ -467,7 +471,7 @@ class _Menu:
             points = _staircase(bm, bm.W, deadline, H_cap=self.edges[b + 1] // bm.unit)
             if points is None:
                 return b, None
-            return b, [_Option(H=self.edges[b] + bm.unit, W=o.W, cost=o.cost, saved=o.saved) for o in points]
+            return b, [_Option(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved) for o in points]
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
             done = list(pool.map(band, sorted(bands)))
