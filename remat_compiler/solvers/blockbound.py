@@ -61,11 +61,12 @@ from functools import reduce
 from ortools.sat.python import cp_model
 
 from remat_compiler.costgraph import CostGraph
-from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
+from remat_compiler.schedule import bw_time
 from remat_compiler.solvers.blockwise import block_stack
-from remat_compiler.solvers.cpmodel import add_decisions, add_first_need, alloc_index, is_const
+from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
+                                           is_const, storage_readers)
 
-__all__ = ["BlockBound", "block_bound"]
+__all__ = ["BlockBound", "block_bound", "clear_menus"]
 
 
 @dataclass
@@ -174,30 +175,14 @@ class _Profile:
         return self.s_cum[bisect.bisect_right(self.s_at, t)] - self.e_cum[bisect.bisect_left(self.e_at, t)]
 
 
-def _fw_reads(cg: CostGraph) -> dict[str, int]:
-    """Last forward node index reading each storage (the forward's outputs: its last node)."""
-    last: dict[str, int] = {}
-    for i, u in enumerate(cg.fw_order):
-        for p in cg.preds(u):
-            if cg.storage(p) is not None:
-                last[cg.storage(p)] = max(last.get(cg.storage(p), -1), i)
-    for o in cg.fw_outputs:
-        if o is not None and cg.storage(o) is not None:
-            last[cg.storage(o)] = len(cg.fw_order) - 1
-    return last
-
-
 def _fixed_intervals(cg: CostGraph, lay: _Layout):
-    """Memory every plan has, as (start, end, bytes) on the model's time axis: the non-candidate
-    intervals of the save-all plan (what the full model fixes); and each candidate outside the
-    blocks while the forward still reads it and between its first and last backward read (saved
-    or recomputed, backward reads it there)."""
-    cand = set(cg.candidates)
-    sim = simulate(cg, build_schedule(cg, save_all_set(cg)))
-    fixed = [(*sim.times[key], size) for key, (_a, _z, size) in sim.intervals.items()
-             if key[0] not in cand and size > 0]
+    """Memory every plan has, as (start, end, bytes) on the model's time axis: what the full model
+    fixes (:func:`.cpmodel.fixed_intervals`); and each candidate outside the blocks while the
+    forward still reads it and between its first and last backward read (saved or recomputed,
+    backward reads it there)."""
+    fixed, _base = fixed_intervals(cg)
     blocks = set(lay.blocks)
-    fw_last = _fw_reads(cg)
+    fw_last = storage_readers(cg)[1]
     for v in cg.candidates:
         if cg.attr(v, "block") in blocks or cg.is_available_in_bw(v):
             continue
@@ -233,8 +218,7 @@ class _BlockModel:
         self.unit = unit = reduce(math.gcd, [cg.attr(v, "bytes") for v in cands]
                                   + [size for *_, size in window_fixed], 0) or 1
         m = cp_model.CpModel()
-        reads = {v: lay.reads.get(v, []) for v in M}
-        direct_first = {v: min(steps) for v, steps in reads.items() if steps}
+        direct_first = {v: min(lay.reads[v]) for v in M if lay.reads.get(v)}
         s, r, _need = add_decisions(m, cg, M, set(direct_first))
         costs = {v: int(cost_of(v)) for v in M if not is_const(r[v])}
         self.cost = m.new_int_var(0, sum(c for c in costs.values() if c > 0), "cost")
@@ -242,9 +226,9 @@ class _BlockModel:
         self.held = m.new_int_var(0, sum(cg.attr(v, "bytes") // unit for v in cands), "held")
         m.add(self.held == sum(cg.attr(v, "bytes") // unit * s[v] for v in cands))
         self.model, self.s = m, s
-        self._add_window(cg, lay, m, M, cands, s, r, reads, direct_first, window_fixed, memory)
+        self._add_window(cg, lay, m, M, cands, s, r, direct_first, window_fixed, memory)
 
-    def _add_window(self, cg, lay, m, M, cands, s, r, reads, direct_first, window_fixed, memory) -> None:
+    def _add_window(self, cg, lay, m, M, cands, s, r, direct_first, window_fixed, memory) -> None:
         F, B, t0, t1, unit = lay.F, lay.B, self.t0, self.t1, self.unit
         in_m = set(M)
         st = {v: m.new_int_var(0, B - 1, f"st_{v}") for v in M}
@@ -261,14 +245,9 @@ class _BlockModel:
         for a, z, size in window_fixed:
             intervals.append(m.new_fixed_size_interval_var(a, z - a + 1, f"fix_{a}_{z}"))
             demands.append(size // unit)
-        # storage reads counted: those of nodes backward needs here (a view's reads are its base's)
-        sreads: dict[str, list[int]] = {}
-        for v in M:
-            if cg.storage(v) is not None:
-                sreads.setdefault(cg.storage(v), []).extend(reads[v])
         for v in cands:
             size = cg.attr(v, "bytes") // unit
-            lo = max(sreads.get(v, ()), default=None)
+            lo = max(lay.sreads.get(v, ()), default=None)  # backward's last read (views included)
             last = m.new_int_var(bw_time(F, lo) if lo is not None else 0, T, f"last_{v}")
             for u in rc_readers.get(v, ()):
                 if u != v and u in in_m:
@@ -495,7 +474,7 @@ class _Frame:
         ref = [load(bw_time(F, lay.ws[k] + j, slot)) for j, slot in rel]
         self.offsets = [min(load(bw_time(F, lay.ws[m] + j, slot)) - r for (j, slot), r in zip(rel, ref))
                         for m in range(lay.L)]
-        fw_last = _fw_reads(cg)
+        fw_last = storage_readers(cg)[1]
         cands = set(cg.candidates)
         self.forward = []  # fixed plus the block's own forward values, during its forward
         for m in range(lay.L):
@@ -547,6 +526,11 @@ def _compose(menu: list[_Option], frame: _Frame, budget: int):
 
 #: Block menus by (graph fingerprint, cost key, block costs): they do not depend on the budget.
 _MENUS: dict[tuple, _Menu] = {}
+
+
+def clear_menus() -> None:
+    """Forget the kept block menus (the next solve builds its menu anew: a cold start)."""
+    _MENUS.clear()
 
 
 def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: float = 10.0,

@@ -6,8 +6,9 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from remat_compiler.costgraph import CostGraph
+from remat_compiler.schedule import SimResult, build_schedule, save_all_set, simulate
 
-__all__ = ["alloc_index", "is_const", "add_decisions", "add_first_need"]
+__all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
 
 
 def alloc_index(cg: CostGraph, v: str) -> int:
@@ -17,6 +18,44 @@ def alloc_index(cg: CostGraph, v: str) -> int:
         if cg.attr(parent, "is_tuple"):
             return cg.fw_index[parent]
     return cg.fw_index[v]
+
+
+def storage_readers(cg: CostGraph):
+    """For each storage owner: the last forward step that reads it (the forward's outputs: its last
+    step), the last backward step that reads it, and the forward nodes that read it. Returns
+    (number of forward steps, fw_reads, bw_reads, rc_readers)."""
+    fw_reads: dict[str, int] = {}
+    bw_reads: dict[str, int] = {}
+    rc_readers: dict[str, set[str]] = {}
+    F = len(cg.fw_order)
+    for i, u in enumerate(cg.fw_order):
+        for p in cg.preds(u):
+            o = cg.storage(p)
+            if o is None:
+                continue
+            fw_reads[o] = max(fw_reads.get(o, -1), i)
+            rc_readers.setdefault(o, set()).add(u)
+    for o in cg.fw_outputs:  # the forward's outputs live until it returns
+        if o is not None and cg.storage(o) is not None:
+            fw_reads[cg.storage(o)] = F - 1
+    for j, b in enumerate(cg.bw_order):
+        for p in cg.preds(b):
+            o = cg.storage(p)
+            if o is None:
+                continue
+            bw_reads[o] = max(bw_reads.get(o, -1), j)
+    return F, fw_reads, bw_reads, rc_readers
+
+
+def fixed_intervals(cg: CostGraph) -> tuple[list[tuple[int, int, int]], SimResult]:
+    """Everything whose life no plan changes (what is not a candidate: tangents, backward values,
+    outputs), as (start, end, bytes) on the model's time axis, from the save-all plan's simulation;
+    and that simulation."""
+    cands = set(cg.candidates)
+    base = simulate(cg, build_schedule(cg, save_all_set(cg)))
+    fixed = [(*base.times[key], size) for key, (_a, _z, size) in base.intervals.items()
+             if key[0] not in cands and size > 0]
+    return fixed, base
 
 
 def is_const(var) -> bool:

@@ -44,7 +44,8 @@ from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
 from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.blockbound import block_bound
-from remat_compiler.solvers.cpmodel import add_decisions, add_first_need, alloc_index, is_const
+from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
+                                           is_const, storage_readers)
 from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
@@ -121,31 +122,6 @@ class RematModel:
     getitem_parent: dict = None
 
 
-def _storage_readers(cg: CostGraph):
-    """For each storage owner: forward steps, backward steps and forward nodes that read it."""
-    fw_reads: dict[str, int] = {}
-    bw_reads: dict[str, int] = {}
-    rc_readers: dict[str, set[str]] = {}
-    F = len(cg.fw_order)
-    for i, u in enumerate(cg.fw_order):
-        for p in cg.preds(u):
-            o = cg.storage(p)
-            if o is None:
-                continue
-            fw_reads[o] = max(fw_reads.get(o, -1), i)
-            rc_readers.setdefault(o, set()).add(u)
-    for o in cg.fw_outputs:  # the forward's outputs live until it returns
-        if o is not None and cg.storage(o) is not None:
-            fw_reads[cg.storage(o)] = F - 1
-    for j, b in enumerate(cg.bw_order):
-        for p in cg.preds(b):
-            o = cg.storage(p)
-            if o is None:
-                continue
-            bw_reads[o] = max(bw_reads.get(o, -1), j)
-    return F, fw_reads, bw_reads, rc_readers
-
-
 def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cost",
                 max_cost: int | None = None, forced_saved=(), forbidden_saved=(),
                 objective: str = "runtime") -> RematModel:
@@ -166,15 +142,13 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         What the recompute cost counts (see :func:`cost_units`).
     """
     m = cp_model.CpModel()
-    F, fw_reads, bw_reads, rc_readers = _storage_readers(cg)
+    F, fw_reads, bw_reads, rc_readers = storage_readers(cg)
     B = len(cg.bw_order)
     cands = cg.candidates
     cand_set = set(cands)
 
     # Fixed intervals: everything whose life the plan does not change, from the save-all simulation.
-    base = simulate(cg, build_schedule(cg, save_all_set(cg)))
-    fixed = [(*base.times[key], size) for key, (_a, _z, size) in base.intervals.items()
-             if key[0] not in cand_set and size > 0]
+    fixed, base = fixed_intervals(cg)
     sizes = [cg.attr(c, "bytes") for c in cg.fw_order if cg.storage(c) == c] + [s for _, _, s in fixed]
     unit = reduce(math.gcd, [s for s in sizes if s > 0], 0) or 1
 
