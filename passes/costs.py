@@ -8,7 +8,12 @@ Writes on every call_function node:
 - ``remat.runtime_s``: a roofline estimate, ``max(flops / compute rate, bytes read and written /
   memory bandwidth) + comm_bytes / link bandwidth``; views and aliases cost 0;
 - ``remat.never_recompute`` and ``remat.reason``: random ops (their RNG state is not replayed), ops that
-  mutate their inputs and other side effects must not be recomputed blindly.
+  mutate their inputs and other side effects must not be recomputed blindly; nor may an op that
+  reads an input the step mutates in place (placeholder ``meta["remat.mutated_input"]``, written by
+  the trace): in backward that input no longer holds the forward's value. Training-mode BatchNorm
+  is the exception: its output and batch statistics do not depend on the running statistics it
+  reads, and codegen recomputes it without them (:func:`is_training_batch_norm`); the running
+  statistics it returns are never recomputed.
 """
 from __future__ import annotations
 
@@ -22,13 +27,14 @@ from torch.utils.flop_counter import flop_registry
 
 from passes.storage import STORAGE
 
-__all__ = ["CostModel", "annotate_costs", "is_collective"]
+__all__ = ["CostModel", "annotate_costs", "is_collective", "is_training_batch_norm"]
 
 FLOPS = "remat.flops"
 RUNTIME = "remat.runtime_s"
 COMM = "remat.comm_bytes"
 NEVER = "remat.never_recompute"
 REASON = "remat.reason"
+MUTATED = "remat.mutated_input"
 
 
 @dataclass(frozen=True)
@@ -68,11 +74,26 @@ def _flops(node: fx.Node) -> int:
     return int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def is_training_batch_norm(node: fx.Node) -> bool:
+    """``_native_batch_norm_legit_functional(x, w, b, running_mean, running_var, training=True, ...)``:
+    outputs 0-2 (normalised, batch mean, batch inverse std) do not depend on the running statistics,
+    outputs 3-4 are the updated running statistics."""
+    return node.op == "call_function" and \
+        node.target is torch.ops.aten._native_batch_norm_legit_functional.default and bool(node.args[5])
+
+
 def _never_recompute(node: fx.Node) -> str | None:
     target = node.target
     if node.target is operator.getitem:
         parent = node.args[0]
+        if is_training_batch_norm(parent) and node.args[1] >= 3:
+            return "a batch norm's updated running statistics (the step writes them into its buffers)"
         return parent.meta.get(REASON) if parent.meta.get(NEVER) else None
+    stats = set(node.args[3:5]) if is_training_batch_norm(node) else set()
+    for a in node.all_input_nodes:
+        if a.op == "placeholder" and a.meta.get(MUTATED) and a not in stats:
+            return (f"reads {a.meta[MUTATED]}, which the step mutates in place (in backward it no "
+                    f"longer holds the forward's value)")
     if isinstance(target, torch._ops.OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return f"random op {target} (its RNG state is not replayed)"

@@ -1,6 +1,8 @@
 """Pass: which part of the training step each joint-graph node belongs to (``meta["remat.phase"]``).
 
-- "input": parameters, buffers and inputs (``primals_*``), resident before the step;
+- "input": parameters, buffers and inputs (``primals_*``), resident before the step; so are the
+  graph's constants (``get_attr``: a ``torch.tensor(...)`` made in forward is traced as one, and
+  the graph module holds it like a buffer);
 - "tangent": gradients of the outputs (``tangents_*``), created by the step;
 - "fw": nodes the forward must run to produce its outputs (and the other outputs of multi-output
   forward ops, such as a dropout mask);
@@ -39,6 +41,8 @@ def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModu
     for n in graph.nodes:
         if n.op == "placeholder":
             n.meta[PHASE] = "tangent" if n.name.startswith("tangents") else "input"
+        elif n.op == "get_attr":  # a constant of the graph (``torch.tensor([])`` made in forward)
+            n.meta[PHASE] = "input"
         elif n.op == "output":
             n.meta[PHASE] = "output"
         else:

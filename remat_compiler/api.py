@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
+import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -26,10 +30,12 @@ from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.check import check_plan
 from remat_compiler.codegen import emit
 from remat_compiler.costgraph import CostGraph
+from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.plan import Plan
 from remat_compiler.policies import Policy, apply_policy
-from remat_compiler.solvers import get_solver, solve
-from remat_compiler.trace import StepFunction, aot_step, flatten_step, run_traced, signature_of, trace
+from remat_compiler.solvers import get_solver, resolve_budget, solve
+from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, aot_step, flatten_step, is_inplace_after_save,
+                                  mark_mutated_inputs, run_traced, signature_of, trace)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_graph", "PlannedGraph", "analyze", "prepared"]
 
@@ -119,6 +125,62 @@ class _Entry:
     planned: PlannedGraph | None = None
     calls: int = 0
     extras: dict = field(default_factory=dict)
+    grad_deps: list | None = None     # per flat input: the tangents its gradient reads (see _GradGate)
+    gate: bool = True                 # whether calls need the gate (decided once the graph is known)
+
+
+# One trace at a time in this process: a trace swaps the model's parameters for the trace's tensors
+# (functional_call) and sets torch.compiler's process-wide "compiling" flag; two at once corrupt both.
+_TRACE_LOCK = threading.RLock()
+
+
+class _GradRecord:
+    """Which of a call's outputs backward reached: filled by hooks on the outputs, read by the gate."""
+
+    def __init__(self, entry: _Entry):
+        self.entry = entry
+        self.reached: set[int] = set()
+
+    def hook(self, i: int) -> Callable:
+        def mark(grad):
+            if grad is not None:  # autograd calls the hooks of unreached outputs with None
+                self.reached.add(i)
+        return mark
+
+
+class _GradGate(torch.autograd.Function):
+    """Identity on the inputs that require grad; in backward, None for each input whose gradient
+    reads only outputs backward never reached, as in eager (AOTAutograd's backward gets zeros for
+    unused outputs and would hand back zero gradients where eager leaves ``.grad`` None)."""
+
+    @staticmethod
+    def forward(ctx, record, positions, *tensors):
+        ctx.record, ctx.positions = record, positions
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        deps, reached = ctx.record.entry.grad_deps, ctx.record.reached
+        out = []
+        for pos, g in zip(ctx.positions, grads):
+            d = deps[pos] if deps is not None and pos < len(deps) else None
+            out.append(None if d is not None and not (d & reached) else g)
+        return (None, None, *out)
+
+
+def _grad_deps(planned: PlannedGraph, step: StepFunction) -> list | None:
+    """For each flat input, the indices of the tangents its gradient depends on (None: no gradient,
+    or unknown); None overall when the gate cannot map tangents to outputs (an input that requires
+    grad is mutated in place: AOTAutograd then has tangents for it too)."""
+    cg = planned.cg
+    tangents = {t: i for i, t in enumerate(cg.tangents)}
+    deps = []
+    for o in cg.bw_outputs:
+        if o is None:
+            deps.append(None)
+            continue
+        deps.append(frozenset(tangents[a] for a in nx.ancestors(cg.g, o) | {o} if a in tangents))
+    return deps
 
 
 class CompiledModule(torch.nn.Module):
@@ -141,6 +203,7 @@ class CompiledModule(torch.nn.Module):
         self._fixed_plan = plan
         self._solver_options = solver_options
         self._entries: dict[tuple, _Entry] = {}
+        self._failures: dict[tuple, InfeasibleBudgetError] = {}
         self.plan: Plan | None = None
         self.planned: PlannedGraph | None = None
 
@@ -156,41 +219,136 @@ class CompiledModule(torch.nn.Module):
         return self._orig_mod
 
     def _key(self, args, kwargs) -> tuple:
-        req = tuple(p.requires_grad for p in self._orig_mod.parameters())
-        return (signature_of(args, kwargs), req, self._orig_mod.training)
+        """Everything that changes the traced graph: the call's signature, each parameter's and
+        buffer's shape, dtype, device and requires_grad, training mode and autocast."""
+        state = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad)
+                      for t in (*self._orig_mod.parameters(), *self._orig_mod.buffers()))
+        autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)) + \
+            ((torch.is_autocast_cache_enabled(),) if torch.is_autocast_enabled("cpu")
+             or torch.is_autocast_enabled("cuda") else ())
+        return (signature_of(args, kwargs), state, self._orig_mod.training, autocast)
+
+    def __getstate__(self):
+        # the per-signature entries hold AOTAutograd's compiled functions, which do not pickle: a
+        # loaded module traces and plans again on its first call (a fixed plan= is kept)
+        state = self.__dict__.copy()
+        state["_entries"], state["_failures"] = {}, {}
+        state["plan"] = state["planned"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
 
     def _partition(self, entry: _Entry):
         def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
+            joint = mark_mutated_inputs(joint, entry.step)
             gm = run_passes(joint, num_fwd_outputs=num_fwd_outputs, cost_model=self._cost_model)
             cg = CostGraph.from_graph_module(gm, hold_outputs=self._hold_outputs)
             if self._fixed_plan is not None:
                 self._fixed_plan.check_applies_to(cg)
                 plan = self._fixed_plan
                 planned = PlannedGraph(gm, cg, plan, check_plan(cg, plan))
+                budget_bytes = resolve_budget(cg, self._budget)
+                if budget_bytes is not None and planned.sim.peak_bytes > budget_bytes:
+                    raise PlanMismatchError(
+                        f"the plan given peaks at {planned.sim.peak_bytes} bytes, above memory_budget "
+                        f"{budget_bytes} bytes: pass a larger budget, or leave plan= out to re-plan "
+                        f"under this one")
             else:
                 planned = plan_graph(gm, cg, self._budget, solver=self._solver, **self._solver_options)
                 planned = _sync_across_ranks(planned)
             entry.planned = planned
+            entry.grad_deps = _grad_deps(planned, entry.step)
             return emit(gm, planned.plan)
         return partition
 
+    @torch._dynamo.disable  # torch.compile around this module runs the plan as emitted (no graph)
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled() or not self._orig_mod.training:
             return self._orig_mod(*args, **kwargs)
         key = self._key(args, kwargs)
+        if key in self._failures:  # an infeasible budget for this signature: the same answer, at once
+            raise self._failures[key]
         entry = self._entries.get(key)
         step, flat = flatten_step(self._orig_mod, args, kwargs, loss_only=not self._hold_outputs)
         if entry is None:
-            entry = _Entry(step=step, fn=None)
-            entry.fn = aot_step(step, self._partition(entry))
-            with prepared(self._orig_mod, self._solver):
-                out = run_traced(entry.fn, self._orig_mod, step.state_tensors() + flat)
-            self._entries[key] = entry
+            with _TRACE_LOCK:
+                entry = self._entries.get(key)
+                if entry is None:
+                    return self._first_call(key, step, flat)
+        state = entry.step.state_tensors()
+        return self._call(entry, state + flat, entry.gate)
+
+    def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor]):
+        entry = _Entry(step=step, fn=None)
+        entry.fn = aot_step(step, self._partition(entry))
+        record = _GradRecord(entry)
+        inputs, positions = self._gated(record, step.state_tensors() + flat)
+        try:
+            try:
+                with prepared(self._orig_mod, self._solver):
+                    out = run_traced(entry.fn, self._orig_mod, inputs)
+            except RuntimeError as exc:
+                # backward through an extra output reads a value the forward then mutated in place:
+                # eager only fails if the caller backpropagates through it, so plan the loss alone
+                if not is_inplace_after_save(exc) or step.loss_only:
+                    raise
+                step.loss_only, step.loss_only_reason = True, INPLACE_AFTER_SAVE
+                entry.fn = aot_step(step, self._partition(entry))
+                with prepared(self._orig_mod, self._solver):
+                    out = run_traced(entry.fn, self._orig_mod, inputs)
+        except InfeasibleBudgetError as exc:
+            self._failures[key] = exc
+            raise
+        self._entries[key] = entry
+        if entry.planned is None:  # AOTAutograd found no backward: the step has nothing to plan
+            warnings.warn("no parameter or input of this call requires grad, so there is no backward "
+                          "to plan: the model runs without recomputation", RuntimeWarning, stacklevel=3)
+            entry.gate = False
         else:
-            out = entry.fn(*entry.step.state_tensors(), *flat)
+            deps = entry.grad_deps
+            n_grad_out = sum(isinstance(o, torch.Tensor) and o.requires_grad for o in out)
+            every = frozenset(range(len(entry.planned.cg.tangents)))
+            mapped = deps is not None and n_grad_out == len(every) and \
+                not (entry.step.mutated_positions & set(positions))
+            entry.gate = mapped and any(d is not None and d != every for d in deps)
+            if not mapped:
+                entry.grad_deps = None  # the gate passes every gradient through
+        return self._finish(entry, self._watch(record, out))
+
+    def _gated(self, record: _GradRecord, inputs: list[torch.Tensor]):
+        positions = tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad)
+        if not positions:
+            return inputs, positions
+        gated = _GradGate.apply(record, positions, *(inputs[i] for i in positions))
+        inputs = list(inputs)
+        for i, t in zip(positions, gated):
+            inputs[i] = t
+        return inputs, positions
+
+    @staticmethod
+    def _watch(record: _GradRecord, out):
+        k = 0
+        for o in out:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(record.hook(k))
+                k += 1
+        return out
+
+    def _call(self, entry: _Entry, inputs: list[torch.Tensor], gate: bool):
+        if gate:
+            record = _GradRecord(entry)
+            inputs, _ = self._gated(record, inputs)
+            out = self._watch(record, entry.fn(*inputs))
+        else:
+            out = entry.fn(*inputs)
+        return self._finish(entry, out)
+
+    def _finish(self, entry: _Entry, out):
         entry.calls += 1
         self.planned = entry.planned
-        self.plan = entry.planned.plan
+        self.plan = entry.planned.plan if entry.planned is not None else None
         return entry.step.unflatten_outputs(out)
 
 
@@ -208,6 +366,32 @@ def _sync_across_ranks(planned: PlannedGraph) -> PlannedGraph:
     plan = Plan.from_json(payload[0])
     sim = check_plan(planned.cg, plan)
     return PlannedGraph(planned.gm, planned.cg, plan, sim)
+
+
+def check_time_limit(time_limit_s) -> None:
+    """Raise ValueError unless ``time_limit_s`` is None or a positive, finite number of seconds."""
+    if time_limit_s is None:
+        return
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) \
+            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
+        raise ValueError(f"time_limit_s={time_limit_s!r} must be a positive number of seconds")
+
+
+def _check_wrapper(model: torch.nn.Module) -> None:
+    """Refuse wrappers whose own forward cannot be traced into a plan, saying what to do instead."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "compile(DDP(model)) cannot work: DDP all-reduces gradients from hooks on autograd's own "
+            "backward, which the compiled step replaces, so ranks would keep their local gradients. "
+            "Compile first, then wrap: DDP(remat_compiler.compile(model, ...))")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError(
+            "compile(torch.compile(model)) is not supported: remat_compiler traces the model itself "
+            "and runs its plan op by op. Pass the model (remat_compiler.compile(model, ...)); "
+            "torch.compile around the compiled module runs the plan unchanged. Running plans with "
+            "Inductor is the compiled-speed work, not yet available")
 
 
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] = "cpsat",
@@ -228,8 +412,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         ``solve(cost_graph, budget_bytes, **opts) -> Plan``.
     cost_model : passes.CostModel, optional
         Compute rate and bandwidths for the runtime estimate.
-    plan : Plan, optional
-        Apply this saved plan instead of solving (it must be for the same graph).
+    plan : Plan or str, optional
+        Apply this saved plan (or its JSON text) instead of solving; it must be for the same
+        graph, and with a ``memory_budget`` its peak must fit it (else PlanMismatchError).
     policy : callable, optional
         Hard decisions the solver obeys (:mod:`remat_compiler.policies`: ``save_matmuls``,
         ``save_only(...)``, ``never_save(...)``, ``first_of(...)``), given with ``solver="cpsat"``.
@@ -252,7 +437,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     Raises
     ------
     ValueError
-        For a budget that is not one of the accepted forms, or an unknown solver.
+        For a budget that is not one of the accepted forms, an unknown solver, a time limit that
+        is not positive, a ``plan`` that is not a plan, or a wrapper that cannot be compiled
+        (``DDP(model)``: compile first, then wrap; ``torch.compile(model)``: pass the model).
 
     Example
     -------
@@ -261,8 +448,14 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     """
     budget = parse_budget(memory_budget)
     get_solver(solver)
+    check_time_limit(solver_options.get("time_limit_s"))
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
+    _check_wrapper(model)
+    if isinstance(plan, (str, bytes)):
+        plan = Plan.from_json(plan)
+    elif plan is not None and not isinstance(plan, Plan):
+        raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got {type(plan).__name__}")
     if policy is not None:
         solver_options["policy"] = policy
     return CompiledModule(model, budget, solver, cost_model, plan, solver_options, hold_outputs)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -65,28 +66,46 @@ def parse_budget(value: object) -> Budget:
         return Budget()
     if isinstance(value, bool):
         raise ValueError(f"memory_budget={value!r} is not valid; expected {_ACCEPTED}")
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):  # int, numpy integers
+        value = int(value)
         if value <= 0:
             raise ValueError(f"memory_budget={value} bytes must be positive; expected {_ACCEPTED}")
         return Budget(bytes=value)
-    if isinstance(value, float):
+    if isinstance(value, numbers.Real):  # float, numpy floats
+        value = float(value)
         if not (0.0 < value <= 1.0) or math.isnan(value):
             raise ValueError(f"memory_budget={value} is a float outside (0, 1]; floats are fractions "
-                             f"of the no-recompute peak; expected {_ACCEPTED}")
+                             f"of the no-recompute peak (pass bytes as an int); expected {_ACCEPTED}")
         return Budget(fraction=value)
     if isinstance(value, str):
-        text = value.strip().replace("_", "")
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)", text)
-        if m:
-            number, unit = float(m.group(1)), m.group(2).lower()
-            if unit == "" and "." in m.group(1) and 0 < number <= 1:
-                return Budget(fraction=number)
-            if unit in _UNITS or unit == "":
-                nbytes = int(number * _UNITS.get(unit or "b", 1))
-                if nbytes > 0:
-                    return Budget(bytes=nbytes)
-        raise ValueError(f"memory_budget={value!r} could not be parsed; expected {_ACCEPTED}")
+        return _parse_text(value)
     raise ValueError(f"memory_budget of type {type(value).__name__} is not valid; expected {_ACCEPTED}")
+
+
+def _parse_text(value: str) -> Budget:
+    """A budget string: a unitless number in (0, 1] is a fraction (as the float would be), a unitless
+    whole number is bytes, a number with a unit is bytes (whole bytes when the unit is B)."""
+    text = value.strip().replace("_", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or (unit and unit not in _UNITS):
+        raise ValueError(f"memory_budget={value!r} could not be parsed; expected {_ACCEPTED}")
+    number = float(m.group(1))
+    if not math.isfinite(number) or number * _UNITS.get(unit or "b", 1) > 2.0 ** 80:
+        raise ValueError(f"memory_budget={value!r} is too large to be a number of bytes; expected {_ACCEPTED}")
+    if not unit:
+        if 0 < number <= 1 and not m.group(1).isdigit():  # "0.5", "5e-1"; "1" is one byte
+            return Budget(fraction=number)
+        if number != int(number):
+            raise ValueError(f"memory_budget={value!r} is neither a fraction in (0, 1] nor a whole "
+                             f"number of bytes; expected {_ACCEPTED}")
+        unit = "b"
+    if unit == "b" and number != int(number):
+        raise ValueError(f"memory_budget={value!r} is not a whole number of bytes; expected {_ACCEPTED}")
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"memory_budget={value!r} must be at least one byte; expected {_ACCEPTED}")
+    return Budget(bytes=nbytes)
 
 
 def human_bytes(nbytes: float) -> str:

@@ -22,7 +22,9 @@ names the smallest feasible budget); 1 anything else. Every failure prints one l
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -231,6 +233,21 @@ def _render(planned: PlannedGraph, fmt: str, all_rows: bool) -> str:
     return f"{table}\n\nplan {plan.digest()} for graph {plan.fingerprint}\n"
 
 
+def _writable(_ctx, param, value: str | None) -> str | None:
+    """Check at parse time, before any tracing or solving, that a file can be written at ``value``
+    (its folder exists and takes a new file), naming the path given."""
+    if value is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(value)) or "."
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {value}: {exc.strerror} ({folder})", param=param) from exc
+    os.close(fd)
+    os.unlink(probe)
+    return value
+
+
 def _emit_text(console: Console, text: str, output: str | None) -> None:
     """Print ``text``, or write it atomically to ``output``."""
     if output is None:
@@ -272,9 +289,9 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
               help="cpsat, greedy, save_all, checkpoint_blocks, or a registered MoE strategy.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "dot"]), default="table",
               show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, callback=_writable,
               help="Write the plan here (atomically) instead of stdout.")
-@click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="PNG",
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="PNG", callback=_writable,
               help="Also draw the memory timeline of the plan and of save-all.")
 @click.option("--load", "load_path", type=click.Path(exists=True, dir_okay=False), default=None,
               metavar="PLAN.json", help="Re-apply a saved plan instead of solving.")
@@ -320,7 +337,8 @@ def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | N
 @click.option("--strategies", default=None, callback=_check_solver_list, metavar="A,B,...",
               help="Hand-picked strategies to mark. Default: save_all, checkpoint_blocks and every "
                    "registered MoE strategy; those that do not apply are listed as n/a.")
-@click.option("--png", type=click.Path(dir_okay=False), default=None, help="Draw the points here.")
+@click.option("--png", type=click.Path(dir_okay=False), default=None, callback=_writable,
+              help="Draw the points here.")
 @time_limit_option
 @click.pass_context
 def pareto(ctx: click.Context, factory: str, factory_kwargs: dict, budgets: list[str], solver: str,
@@ -384,6 +402,7 @@ def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: 
 
 @cli.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="remat_demo_timeline.png",
+              callback=_writable,
               show_default=True, help="Where to write the timeline picture.")
 @click.option("--budget", type=BUDGET, default="0.5", show_default=True)
 @time_limit_option

@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from passes.costs import is_training_batch_norm
 from passes.storage import is_wait
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -105,16 +106,68 @@ def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for n in bw.graph.find_nodes(op="placeholder"):
         env[n] = new.placeholder(n.name)
         env[n].meta = n.meta
+    recomputed = set(plan.schedule.recomputed)
     for name in scheduled:
         n = by_name.get(name)
         if n is None or n.op not in ("call_function", "get_attr"):
             continue  # dead in this backward (e.g. a gradient nobody asked for)
+        if name in recomputed and is_training_batch_norm(n):
+            env[n] = _batch_norm_without_stats(new, n, env)
+            continue
         env[n] = new.node_copy(n, lambda a: env[a])
     out = next(iter(bw.graph.find_nodes(op="output")))
     new_out = new.node_copy(out, lambda a: env[a])
     new_out.meta = out.meta
     new.lint()
     return fx.GraphModule(bw, new)
+
+
+def _batch_norm_without_stats(graph: fx.Graph, n: fx.Node, env: dict) -> fx.Node:
+    """A recomputed training-mode BatchNorm, run without its running statistics: the same kernel gives
+    the same normalised output and batch statistics, and the buffers (updated in place by the
+    forward) are neither read nor written again."""
+    x, w, b = (env[a] if isinstance(a, fx.Node) else a for a in n.args[:3])
+    momentum, eps = n.args[6], n.args[7]
+    out = graph.call_function(torch.ops.aten._native_batch_norm_legit.no_stats,
+                              (x, w, b, True, momentum, eps))
+    out.meta = dict(n.meta)
+    out.name = n.name
+    return out
+
+
+def _batch_norm_stats_unread(gm: fx.GraphModule, bn: list[fx.Node], recomputed: set[str]
+                             ) -> tuple[fx.GraphModule, set[str]]:
+    """A copy of ``gm`` whose recomputed training-mode BatchNorms ``bn`` read their input in place of
+    the running statistics (backward runs them as ``no_stats``, which reads none), and the names of
+    the inputs that only those reads needed (backward need not keep them: the forward mutates them)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    old_out = next(iter(gm.graph.find_nodes(op="output")))
+    graph.output(out).meta = dict(old_out.meta)
+    for n in bn:
+        copy = env[n]
+        copy.args = (*copy.args[:3], copy.args[0], copy.args[0], *copy.args[5:])
+    stats = {a for n in bn for a in n.args[3:5]}
+    bn_set = set(bn)
+
+    def read_in_backward(u: fx.Node) -> bool:
+        return u not in bn_set and (u.meta.get("remat.phase") == "bw" or u.name in recomputed)
+
+    stats_only = {a.name for a in stats if not any(read_in_backward(u) for u in a.users)}
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    return new, stats_only
+
+
+def _forward_saves(fw: fx.GraphModule, num_fwd: int, saved: list[str]) -> None:
+    """Make ``fw`` return its ``num_fwd`` outputs followed by the values named ``saved``."""
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    by_name = {n.name: n for n in fw.graph.nodes}
+    outs = list(out.args[0])
+    out.args = (tuple(outs[:num_fwd] + [by_name[n] for n in saved]),)
+    fw.graph.lint()
+    fw.recompile()
 
 
 def _impure_unless_collective(node: fx.Node) -> bool:
@@ -144,7 +197,15 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
         n = waits[0] if waits else n
         if n not in saved_values:
             saved_values.append(n)
+    bn = [names[r] for r in plan.schedule.recomputed if is_training_batch_norm(names[r])]
     fw, bw = _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
+    if bn:  # backward recomputes them without their running statistics (see reorder_backward)
+        bw_gm, stats_only = _batch_norm_stats_unread(gm, bn, set(plan.schedule.recomputed))
+        bw_names = {n.name: n for n in bw_gm.graph.nodes}
+        keep = [bw_names[n.name] for n in saved_values if n.name not in stats_only]
+        _, bw = _extract_fwd_bwd_modules(bw_gm, keep, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
+        _forward_saves(fw, num_fwd, [p.name for p in bw.graph.find_nodes(op="placeholder")
+                                     if p.meta.get("remat.phase") != "tangent"])
     # fx keeps functional collectives as impure; a dead one is dead on every rank (same plan)
     fw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     bw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)

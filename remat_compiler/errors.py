@@ -19,10 +19,12 @@ class InfeasibleBudgetError(RematError, ValueError):
     min_feasible_bytes : int
         The smallest step peak a plan reaches on this graph; a budget at least this large works.
     proven : bool
-        Whether that smallest peak is proven minimal (else it is the best the solver found in time).
+        Whether that smallest peak is proven minimal (else it is the best the solver found in time,
+        and a smaller budget may still be feasible).
     """
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, proven: bool = True):
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, proven: bool = True,
+                 advice: str = "or a larger time_limit_s to search further"):
         from remat_compiler.budget import human_bytes
 
         self.budget_bytes = int(budget_bytes)
@@ -38,7 +40,7 @@ class InfeasibleBudgetError(RematError, ValueError):
                 f"no plan found under memory budget {budget_bytes} bytes ({human_bytes(budget_bytes)}) "
                 f"within the time limit: the smallest feasible budget found is {min_feasible_bytes} "
                 f"bytes ({human_bytes(min_feasible_bytes)}), not proven minimal; pass memory_budget >= "
-                f"{min_feasible_bytes}, or a larger time_limit_s to search further")
+                f"{min_feasible_bytes}, {advice}")
 
 
 class UntraceableModelError(RematError):

@@ -178,14 +178,17 @@ class Plan:
             If the text is not a plan document, has another schema version, or its digest does
             not match its content (a corrupt or edited file).
         """
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ValueError(f"not a plan: expected the JSON text Plan.to_json writes, got "
+                             f"{type(text).__name__}")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"not a plan: invalid JSON ({exc})") from exc
         if not isinstance(d, dict) or "schema_version" not in d:
             raise ValueError("not a plan document: no schema_version")
-        if d["schema_version"] not in (1, SCHEMA_VERSION):
-            raise ValueError(f"plan schema version {d['schema_version']} is not supported "
+        if type(d["schema_version"]) is not int or d["schema_version"] not in (1, SCHEMA_VERSION):
+            raise ValueError(f"plan schema version {d['schema_version']!r} is not supported "
                              f"(this remat_compiler reads version {SCHEMA_VERSION}); re-plan the model")
         digest = d.pop("digest", None)
         d.pop("schema_version")
@@ -196,7 +199,7 @@ class Plan:
             d["values"] = [ValueInfo(**v) for v in d["values"]]
             d["rerun"] = [(v, int(j)) for v, j in d.get("rerun", [])]
             return cls(**d)
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not a plan document: {exc!r}") from exc
 
     def save(self, path: str | os.PathLike) -> None:

@@ -292,8 +292,8 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
 
     def use(n: str, step: int, ev: int, time: int, reader: str) -> None:
         owner = storage_of[n]
-        if owner is None or nodes[owner]["phase"] == "input":
-            return
+        if owner is None or nodes[owner]["phase"] == "input" or nodes[owner]["bytes"] == 0:
+            return  # resident, or an empty storage (``torch.tensor([])``): nothing to keep alive
         key = live.get(owner)
         if key is None:
             raise PlanCheckError(f"{reader} at step {step} reads {n} (storage {owner}) before it exists")

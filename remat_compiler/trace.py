@@ -22,10 +22,11 @@ from torch.func import functional_call
 
 from remat_compiler.errors import UntraceableModelError
 
-__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of"]
+__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "mark_mutated_inputs"]
 
 MODULE_KEY = "remat.module"
 MODULE_CLASS_KEY = "remat.module_class"
+MUTATED_KEY = "remat.mutated_input"
 
 
 @dataclass
@@ -52,7 +53,9 @@ class StepFunction:
     out_leaves: list[Any] = field(default_factory=list)  # tensors replaced by None
     out_tensor_positions: list[int] = field(default_factory=list)
     loss_only: bool = False
+    loss_only_reason: str = "hold_outputs=False"  # why the other outputs have no gradient path
     no_grad_positions: list[int] = field(default_factory=list)  # outputs returned without a gradient
+    mutated_positions: set[int] = field(default_factory=set)  # flat inputs the step mutates in place
 
     @property
     def num_state(self) -> int:
@@ -72,6 +75,7 @@ class StepFunction:
             leaves[pos] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self.arg_spec)
         out = functional_call(self.model, state, args, kwargs)
+        self.mutated_positions |= {i for i, t in enumerate(flat) if _has_data_mutation(t)}
         out_leaves, out_spec = pytree.tree_flatten(out)
         self.no_grad_positions = []
         if self.loss_only and any(isinstance(x, torch.Tensor) and x.dim() == 0 and x.requires_grad
@@ -85,6 +89,11 @@ class StepFunction:
         self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
         return tuple(out_leaves[i] for i in self.out_tensor_positions)
 
+    def flat_input_name(self, i: int) -> str:
+        """The name of flat input ``i``: a parameter's or buffer's dotted name, or ``input <k>``."""
+        names = self.param_names + self.buffer_names
+        return names[i] if i < len(names) else f"input {i - len(names)}"
+
     def unflatten_outputs(self, tensors) -> Any:
         leaves = list(self.out_leaves)
         for pos, tensor in zip(self.out_tensor_positions, tensors):
@@ -92,19 +101,52 @@ class StepFunction:
         if self.no_grad_positions:
             loss = next(x for x in leaves if isinstance(x, torch.Tensor) and x.dim() == 0 and x.requires_grad)
             for pos in self.no_grad_positions:
-                leaves[pos] = _NoGradientThrough.apply(leaves[pos], loss)
+                leaves[pos] = _NoGradientThrough.apply(leaves[pos], loss, self.loss_only_reason)
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+INPLACE_AFTER_SAVE = (
+    "the model modifies in place a value that backward through this output would need, so (as in "
+    "eager, where such a backward raises) only the scalar loss is differentiated")
+
+
+def is_inplace_after_save(exc: BaseException) -> bool:
+    """Autograd's error for a backward that reads a value modified in place after it was saved."""
+    return isinstance(exc, RuntimeError) and "modified by an inplace operation" in str(exc)
+
+
+def _has_data_mutation(t) -> bool:
+    """Whether AOTAutograd's functionalization saw ``t``'s data mutated (False outside a trace)."""
+    from torch._functorch._aot_autograd.functional_utils import has_data_mutation
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, FunctionalTensor) and bool(has_data_mutation(t))
+
+
+def mark_mutated_inputs(joint: fx.GraphModule, step: StepFunction) -> fx.GraphModule:
+    """Write ``meta["remat.mutated_input"]`` (the input's name) on the joint graph's placeholders for
+    the inputs the step mutates in place (a buffer's ``add_``, training-mode BatchNorm's running
+    statistics): their value in backward is not the forward's, so nothing that reads them may be
+    recomputed there (:mod:`passes.costs`)."""
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    for i, n in enumerate(primals):
+        if i in step.mutated_positions:
+            n.meta[MUTATED_KEY] = step.flat_input_name(i)
+    return joint
 
 
 class _NoGradientThrough(torch.autograd.Function):
     """An output planned without a gradient path (``hold_outputs=False``): backward through it raises."""
 
     @staticmethod
-    def forward(ctx, out, _loss):
+    def forward(ctx, out, _loss, reason):
+        ctx.reason = reason
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, *_grads):
+        if ctx.reason != "hold_outputs=False":
+            raise RuntimeError(f"this output of the compiled model has no gradient path: {ctx.reason}")
         raise RuntimeError(
             "this output of a model compiled with hold_outputs=False has no gradient path: that "
             "setting plans a step that calls backward() on the scalar loss only. Compile with "
@@ -304,7 +346,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, lo
     step, flat_inputs = flatten_step(model, args, kwargs, loss_only=loss_only)
 
     def capture(joint, _inputs, *, num_fwd_outputs, **_kw):
-        raise _JointCaptured(joint, num_fwd_outputs)
+        raise _JointCaptured(mark_mutated_inputs(joint, step), num_fwd_outputs)
 
     fn = aot_step(step, capture)
     try:

@@ -64,7 +64,7 @@ from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import bw_time
 from remat_compiler.solvers.blockwise import block_stack
 from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
-                                           is_const, storage_readers)
+                                           is_const, new_solver, storage_readers)
 
 __all__ = ["BlockBound", "block_bound", "clear_menus"]
 
@@ -359,7 +359,7 @@ def _staircase(bm: _BlockModel, measure, deadline: float, H_cap: int | None = No
         if H_cap is not None:
             m.add(_clone_var(m, bm.H) <= H_cap)
         m.minimize(_clone_var(m, bm.cost) * (hi + 1) + x_var)
-        solver = cp_model.CpSolver()
+        solver = new_solver()
         solver.parameters.num_workers = 1
         solver.parameters.cp_model_probing_level = 0  # small models: probing costs more than it saves
         solver.parameters.linearization_level = 0
@@ -383,7 +383,7 @@ def _least(bm: _BlockModel, measure, deadline: float) -> int | None:
     """The least value of ``measure`` over the block's plans, in bytes (None: not proven in time)."""
     m = bm.model.clone()
     m.minimize(_clone_var(m, measure))
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     solver.parameters.num_workers = 1
     solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
     if solver.solve(m) != cp_model.OPTIMAL:

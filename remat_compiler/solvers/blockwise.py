@@ -28,6 +28,7 @@ from ortools.sat.python import cp_model
 
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import build_schedule, simulate
+from remat_compiler.solvers.cpmodel import new_solver
 
 __all__ = ["BlockStack", "identical_blocks", "block_stack", "blockwise_saved_set"]
 
@@ -259,7 +260,7 @@ def _choose(options: list[_Option], windows, n_blocks: int, cap: int, time_limit
         else:
             m.add(sum(o.window_peak[w] * x[active][i] for i, o in enumerate(options)) + idle_sum <= cap)
     m.minimize(sum(o.cost * x[k][i] for k in range(n_blocks) for i, o in enumerate(options)))
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
     solver.parameters.num_workers = 2
     status = solver.solve(m)

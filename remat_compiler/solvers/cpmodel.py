@@ -8,7 +8,17 @@ from ortools.sat.python import cp_model
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import SimResult, build_schedule, save_all_set, simulate
 
-__all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
+__all__ = ["new_solver", "alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
+
+
+def new_solver() -> cp_model.CpSolver:
+    """A CP-SAT solver that leaves Ctrl-C to Python: by default CP-SAT catches SIGINT and only ends
+    its search early, so an interrupted solve returned a plan as if nothing happened. With
+    ``catch_sigint_signal`` off, the ``KeyboardInterrupt`` is raised when the running solve returns
+    (within its time slice)."""
+    solver = cp_model.CpSolver()
+    solver.parameters.catch_sigint_signal = False
+    return solver
 
 
 def alloc_index(cg: CostGraph, v: str) -> int:

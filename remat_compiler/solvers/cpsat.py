@@ -41,11 +41,11 @@ from ortools.sat.python import cp_model
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
-from remat_compiler.schedule import build_schedule, bw_time, save_all_set, simulate
+from remat_compiler.schedule import build_schedule, bw_time, rerunnable, save_all_set, simulate
 from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.blockbound import block_bound
 from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
-                                           is_const, storage_readers)
+                                           is_const, new_solver, storage_readers)
 from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
@@ -444,7 +444,7 @@ class _Collect(cp_model.CpSolverSolutionCallback):
 
 def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool, seed: int = 0
             ) -> cp_model.CpSolver:
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     workers = num_workers if num_workers is not None else 8
     solver.parameters.num_workers = workers
     if deterministic:
@@ -649,8 +649,8 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
 
     CP-SAT finds the lowest-peak plan that recomputes each value at most once; with ``reruns``,
     :func:`~remat_compiler.solvers.rerun.lower_peak` then recomputes values again where that lowers
-    the peak. "Proven" means CP-SAT proved its optimum and no rerun went below it (a proof over
-    plans that recompute each value once; reruns are searched locally, not proven). Which plans
+    the peak. "Proven" means CP-SAT proved its optimum and no value of the graph can be recomputed
+    twice (reruns are searched locally, so where they exist there is no proof). Which plans
     reruns start from depends on the solutions CP-SAT meets, so ``seed`` (CP-SAT's random seed)
     varies the search; every plan found is remembered for later calls on the same graph."""
     rm = build_model(cg, None, minimize="peak", forced_saved=forced_saved, forbidden_saved=forbidden_saved)
@@ -674,7 +674,10 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         peak, low = min(known, key=lambda k: k[0])
         saved = sorted(low)
     _remember(cg, saved)
-    proven, rerun = status == cp_model.OPTIMAL, []
+    # CP-SAT's optimum covers plans that recompute each value once; a plan that recomputes a value
+    # twice may peak lower, and reruns are only searched locally: a proof needs a graph without any
+    proven = status == cp_model.OPTIMAL and not any(rerunnable(cg, n) for n in cg.fw_order)
+    rerun = []
     if reruns:
         # Plans of nearly the same peak differ in how much reruns can take off it: lower several
         # (CP-SAT's last solutions, newest first, and the chosen one), keep the lowest.

@@ -139,7 +139,8 @@ def solve_greedy(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
     else:
         saved, peak = best_heuristic_set(cg, budget_bytes)
         if saved is None:
-            raise InfeasibleBudgetError(budget_bytes, peak)
+            raise InfeasibleBudgetError(budget_bytes, peak, proven=False,
+                                        advice="or solver='cpsat', which searches every plan")
     return make_plan(cg, saved, budget_bytes=budget_bytes, solver="greedy",
                      status="optimal" if budget_bytes is None else "feasible",
                      gap=0.0 if budget_bytes is None else 1.0, solve_time_s=time.perf_counter() - t0)
