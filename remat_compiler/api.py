@@ -183,6 +183,29 @@ def _grad_deps(planned: PlannedGraph, step: StepFunction) -> list | None:
     return deps
 
 
+class _ForwardWithSignature:
+    """``CompiledModule.forward``: on an instance, the compiled step with the original ``forward``'s
+    signature (HF ``Trainer`` reads it to pick the dataset columns the model takes); on the class,
+    the plain step function."""
+
+    def __get__(self, obj, objtype=None) -> Callable:
+        if obj is None:
+            return objtype._step
+        fn = obj.__dict__.get("_forward_with_signature")
+        if fn is None:
+            step = obj._step
+
+            def fn(*args, **kwargs):
+                return step(*args, **kwargs)
+            try:
+                fn.__signature__ = inspect.signature(obj._orig_mod.forward)
+            except (TypeError, ValueError):  # a forward without a signature (a builtin)
+                pass
+            fn.__doc__ = obj._orig_mod.forward.__doc__
+            obj.__dict__["_forward_with_signature"] = fn
+        return fn
+
+
 class CompiledModule(torch.nn.Module):
     """A model that trains with a recomputation plan. Built by :func:`compile`.
 
@@ -234,6 +257,7 @@ class CompiledModule(torch.nn.Module):
         # loaded module traces and plans again on its first call (a fixed plan= is kept)
         state = self.__dict__.copy()
         state["_entries"], state["_failures"] = {}, {}
+        state.pop("_forward_with_signature", None)
         state["plan"] = state["planned"] = None
         return state
 
@@ -263,8 +287,10 @@ class CompiledModule(torch.nn.Module):
             return emit(gm, planned.plan)
         return partition
 
+    forward = _ForwardWithSignature()
+
     @torch._dynamo.disable  # torch.compile around this module runs the plan as emitted (no graph)
-    def forward(self, *args, **kwargs):
+    def _step(self, *args, **kwargs):
         if not torch.is_grad_enabled() or not self._orig_mod.training:
             return self._orig_mod(*args, **kwargs)
         key = self._key(args, kwargs)

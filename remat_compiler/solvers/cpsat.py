@@ -649,8 +649,9 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
 
     CP-SAT finds the lowest-peak plan that recomputes each value at most once; with ``reruns``,
     :func:`~remat_compiler.solvers.rerun.lower_peak` then recomputes values again where that lowers
-    the peak. "Proven" means CP-SAT proved its optimum and no value of the graph can be recomputed
-    twice (reruns are searched locally, so where they exist there is no proof). Which plans
+    the peak. "Proven" means CP-SAT proved its optimum over the plans searched: without ``reruns``,
+    plans that recompute each value once; with them, only where no value of the graph can be
+    recomputed twice (reruns are searched locally, so where they exist there is no proof). Which plans
     reruns start from depends on the solutions CP-SAT meets, so ``seed`` (CP-SAT's random seed)
     varies the search; every plan found is remembered for later calls on the same graph."""
     rm = build_model(cg, None, minimize="peak", forced_saved=forced_saved, forbidden_saved=forbidden_saved)
@@ -675,8 +676,9 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         saved = sorted(low)
     _remember(cg, saved)
     # CP-SAT's optimum covers plans that recompute each value once; a plan that recomputes a value
-    # twice may peak lower, and reruns are only searched locally: a proof needs a graph without any
-    proven = status == cp_model.OPTIMAL and not any(rerunnable(cg, n) for n in cg.fw_order)
+    # twice may peak lower, and reruns are only searched locally: with reruns allowed, a proof
+    # needs a graph where no value can be recomputed twice
+    proven = status == cp_model.OPTIMAL and not (reruns and any(rerunnable(cg, n) for n in cg.fw_order))
     rerun = []
     if reruns:
         # Plans of nearly the same peak differ in how much reruns can take off it: lower several
