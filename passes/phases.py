@@ -9,6 +9,11 @@
 - "bw": everything else, run in backward. Nodes AOTAutograd tags as forward but that only backward
   uses (``detach`` of an activation, a transposed weight) are "bw": they are computed once, where needed.
 - "output": the output node.
+
+It also writes ``gm.meta["remat.input_updates"]``: the positions among the forward's outputs of the
+new values of inputs the step mutates in place (BatchNorm's running statistics and
+``num_batches_tracked``). AOTAutograd's runtime copies them into those inputs when the forward returns
+and drops them, so unlike the model's own outputs the caller never holds them.
 """
 from __future__ import annotations
 
@@ -21,8 +26,21 @@ __all__ = ["annotate_phases", "PHASE"]
 PHASE = "remat.phase"
 
 
+def _input_update_positions(graph: fx.Graph, output: fx.Node, num_fwd_outputs: int) -> list[int]:
+    """Positions among the forward's outputs that are updated values of inputs mutated in place: the
+    output descriptors AOTAutograd writes (``InputMutationAOTOutput``); without them, the first
+    outputs, one per placeholder marked ``remat.mutated_input`` (AOTAutograd returns them first)."""
+    descs = output.meta.get("desc")
+    if descs is not None:
+        return [i for i, d in enumerate(descs[:num_fwd_outputs])
+                if type(d).__name__ == "InputMutationAOTOutput"]
+    mutated = sum(1 for p in graph.find_nodes(op="placeholder") if p.meta.get("remat.mutated_input"))
+    return list(range(min(mutated, num_fwd_outputs)))
+
+
 def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
-    """Write ``meta["remat.phase"]`` on every node; also sets ``gm.meta["remat.num_fwd_outputs"]``."""
+    """Write ``meta["remat.phase"]`` on every node; also sets ``gm.meta["remat.num_fwd_outputs"]`` and
+    ``gm.meta["remat.input_updates"]``."""
     graph = gm.graph
     output = next(iter(graph.find_nodes(op="output")))
     outs = list(output.args[0])
@@ -48,4 +66,5 @@ def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModu
         else:
             n.meta[PHASE] = "fw" if n in needed else "bw"
     gm.meta["remat.num_fwd_outputs"] = num_fwd_outputs
+    gm.meta["remat.input_updates"] = _input_update_positions(graph, output, num_fwd_outputs)
     return gm

@@ -35,6 +35,17 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return int(t.numel() * t.element_size())
 
 
+def _strided_span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the smallest storage holding ``t``'s sizes and strides at offset 0 (``empty_strided``)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _is_tangent(n: fx.Node) -> bool:
+    return n.op == "placeholder" and n.name.startswith("tangents")
+
+
 def is_wait(node: fx.Node) -> bool:
     """True for a functional collective's ``wait_tensor`` (it hands back its input's storage)."""
     return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
@@ -62,7 +73,8 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 n.meta[STORAGE], n.meta[BYTES] = owner[key], 0
             else:
                 owner[key] = n.name
-                n.meta[STORAGE], n.meta[BYTES] = n.name, _storage_bytes(val)
+                nbytes = _strided_span_bytes(val) if _is_tangent(n) else _storage_bytes(val)
+                n.meta[STORAGE], n.meta[BYTES] = n.name, nbytes
         elif n.meta[TUPLE]:
             # outputs no getitem takes (e.g. nll_loss's total_weight) live in the tuple until its
             # last getitem is read; they belong to the multi-output node itself

@@ -155,6 +155,7 @@ class _GradGate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, record, positions, *tensors):
+        ctx.set_materialize_grads(False)  # an input backward gives no gradient stays None
         ctx.record, ctx.positions = record, positions
         return tuple(t.view_as(t) for t in tensors)
 
@@ -164,7 +165,7 @@ class _GradGate(torch.autograd.Function):
         out = []
         for pos, g in zip(ctx.positions, grads):
             d = deps[pos] if deps is not None and pos < len(deps) else None
-            out.append(None if d is not None and not (d & reached) else g)
+            out.append(None if g is None or (d is not None and not (d & reached)) else g)
         return (None, None, *out)
 
 

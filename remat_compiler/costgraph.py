@@ -17,7 +17,9 @@ the passes' ``remat.*`` meta keys:
 =================  =====================================================================
 
 Graph attributes: ``fw_outputs`` / ``bw_outputs`` (node names, None for absent gradients),
-``block_container``, ``hold_outputs`` (whether the caller keeps the model's outputs through backward),
+``input_updates`` (positions in ``fw_outputs`` of the new values of inputs mutated in place, which
+AOTAutograd writes back into the inputs and drops), ``block_container``, ``hold_outputs`` (whether
+the caller keeps the model's outputs through backward),
 ``fingerprint`` (a hash of the graph's structure, shapes, dtypes and ``hold_outputs``).
 """
 from __future__ import annotations
@@ -99,6 +101,7 @@ class CostGraph:
             )
             for a in n.all_input_nodes:
                 g.add_edge(a.name, n.name)
+        g.graph["input_updates"] = sorted(gm.meta.get("remat.input_updates", ()))
         g.graph["block_container"] = gm.meta.get("remat.block_container")
         g.graph["hold_outputs"] = bool(hold_outputs)
         cg = cls(g)
@@ -209,8 +212,11 @@ class CostGraph:
     @cached_property
     def held_storages(self) -> frozenset[str]:
         """Storages that outlive the step's backward: forward outputs when the caller holds them, and
-        otherwise its scalar outputs (the loss it calls ``backward()`` on is alive through it)."""
-        outs = [o for o in self.fw_outputs if o is not None
+        otherwise its scalar outputs (the loss it calls ``backward()`` on is alive through it). The
+        updated values of inputs mutated in place are not the caller's: AOTAutograd copies them into
+        the inputs and drops them (backward keeps one only if it reads it, as a saved value)."""
+        updates = set(self.g.graph.get("input_updates", ()))
+        outs = [o for i, o in enumerate(self.fw_outputs) if o is not None and i not in updates
                 and (self.hold_outputs or self.g.nodes[o]["shape"] == ())]
         return frozenset(self.storage(o) for o in outs if self.storage(o) is not None
                          and self.g.nodes[self.storage(o)]["phase"] == "fw")
@@ -265,6 +271,8 @@ class CostGraph:
             h.update(b";")
         h.update(repr(self.fw_outputs).encode())
         h.update(repr(self.bw_outputs).encode())
+        if self.g.graph.get("input_updates"):
+            h.update(f"|input updates {self.g.graph['input_updates']}".encode())
         if not self.hold_outputs:
             h.update(b"|outputs dropped")
         return h.hexdigest()[:16]

@@ -155,7 +155,9 @@ def build_schedule(cg: CostGraph, saved, rerun=()) -> Schedule:
     Returns
     -------
     Schedule
-        Saved values that backward never reads are dropped from ``saved``; reruns that change
+        Saved values that backward never reads are dropped from ``saved``, and values that must not
+        be recomputed (random, reading a mutated input) but that a recomputation needs are added
+        to it; reruns that change
         nothing are dropped from ``rerun``, the others name the step where the value is recomputed
         again.
 
@@ -179,6 +181,9 @@ def build_schedule(cg: CostGraph, saved, rerun=()) -> Schedule:
     while stack:
         n = stack.pop()
         if cg.attr(n, "phase") != "fw" or available(n) or n in recompute:
+            continue
+        if n in cand and cg.attr(n, "never_recompute"):
+            saved_set.add(n)  # a recomputation needs it and it cannot be recomputed: it is kept
             continue
         recompute.add(n)
         stack.extend(cg.preds(n))
