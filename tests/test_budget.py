@@ -11,7 +11,13 @@ def test_bytes_forms(value, nbytes):
     assert parse_budget(value).fraction is None
 
 
-@pytest.mark.parametrize("value, frac", [(0.5, 0.5), (1.0, 1.0), ("0.25", 0.25)])
+def test_numpy_numbers_are_numbers():
+    np = pytest.importorskip("numpy")
+    assert parse_budget(np.int64(4096)).bytes == 4096
+    assert parse_budget(np.float32(0.5)).fraction == 0.5
+
+
+@pytest.mark.parametrize("value, frac", [(0.5, 0.5), (1.0, 1.0), ("0.25", 0.25), ("5e-1", 0.5), ("1.0", 1.0)])
 def test_fraction_forms(value, frac):
     b = parse_budget(value)
     assert b.fraction == frac and b.bytes is None
@@ -22,7 +28,8 @@ def test_none_is_unlimited():
     assert parse_budget(None).resolve(123) is None
 
 
-@pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, float("nan"), "lots", "12 parsecs", True, [1], "-3MB"])
+@pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, float("nan"), "lots", "12 parsecs", True, [1], "-3MB",
+                                 "1.5", "1.5B", "1e400", "1e309B", "1e400GiB", "0", "0.0001B"])
 def test_bad_budgets_say_what_is_accepted(bad):
     with pytest.raises(ValueError, match="expected a positive int of bytes"):
         parse_budget(bad)

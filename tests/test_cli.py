@@ -204,6 +204,10 @@ def test_demo_script_runs(capsys):
     (["compare", *SMALL, "--strategies", "save_all,magic"], "unknown solver"),
     (["compare", *SMALL, "--strategies", "save_all", "--steps", "0"], "--steps"),
     (["-q", "-v", "plan", *SMALL], "exclude each other"),
+    (["plan", *SMALL, "--budget", "1e400"], "too large"),
+    (["plan", *SMALL, "--budget", "1.5"], "neither a fraction"),
+    (["plan", *SMALL, "-o", "/no_such_dir_xyz/plan.json"], "cannot write /no_such_dir_xyz/plan.json"),
+    (["plan", *SMALL, "--timeline", "/no_such_dir_xyz/t.png"], "cannot write /no_such_dir_xyz/t.png"),
     (["frobnicate"], "No such command"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, needle, tmp_path, monkeypatch, capsys):

@@ -64,7 +64,7 @@ from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import bw_time
 from remat_compiler.solvers.blockwise import block_stack
 from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
-                                           is_const, new_solver, storage_readers)
+                                           is_const, new_solver, run_solver, storage_readers)
 
 __all__ = ["BlockBound", "block_bound", "clear_menus"]
 
@@ -364,7 +364,7 @@ def _staircase(bm: _BlockModel, measure, deadline: float, H_cap: int | None = No
         solver.parameters.cp_model_probing_level = 0  # small models: probing costs more than it saves
         solver.parameters.linearization_level = 0
         solver.parameters.max_time_in_seconds = left
-        status = solver.solve(m)
+        status = run_solver(solver, m)
         if status == cp_model.INFEASIBLE:
             return options
         if status != cp_model.OPTIMAL:
@@ -386,7 +386,7 @@ def _least(bm: _BlockModel, measure, deadline: float) -> int | None:
     solver = new_solver()
     solver.parameters.num_workers = 1
     solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
-    if solver.solve(m) != cp_model.OPTIMAL:
+    if run_solver(solver, m) != cp_model.OPTIMAL:
         return None
     return int(round(solver.objective_value)) * bm.unit
 

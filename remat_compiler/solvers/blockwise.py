@@ -28,7 +28,7 @@ from ortools.sat.python import cp_model
 
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.schedule import build_schedule, simulate
-from remat_compiler.solvers.cpmodel import new_solver
+from remat_compiler.solvers.cpmodel import new_solver, run_solver
 
 __all__ = ["BlockStack", "identical_blocks", "block_stack", "blockwise_saved_set"]
 
@@ -263,7 +263,7 @@ def _choose(options: list[_Option], windows, n_blocks: int, cap: int, time_limit
     solver = new_solver()
     solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
     solver.parameters.num_workers = 2
-    status = solver.solve(m)
+    status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     choice = [next(i for i in range(len(options)) if solver.value(x[k][i])) for k in range(n_blocks)]

@@ -45,7 +45,7 @@ from remat_compiler.schedule import build_schedule, bw_time, rerunnable, save_al
 from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.blockbound import block_bound
 from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
-                                           is_const, new_solver, storage_readers)
+                                           is_const, new_solver, run_solver, storage_readers)
 from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set, identical_blocks
 from remat_compiler.solvers.greedy import best_heuristic_set, greedy_saved_set
 from remat_compiler.solvers.rerun import lower_peak
@@ -506,7 +506,7 @@ def _warm_start(cg: CostGraph, budget_bytes: int, time_limit_s: float, num_worke
     if hint is not None:
         _hint(rm, cg, hint)
     solver = _solver(max(0.5, time_limit_s), num_workers, deterministic)
-    status = solver.solve(rm.model)
+    status = run_solver(solver, rm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return {v for v, var in rm.saved.items() if solver.value(var)}
@@ -543,7 +543,7 @@ def _block_decomposition(cg: CostGraph, budget_bytes: int, objective: str, time_
                      forbidden_saved=[v for v in blocks if v not in found.saved])
     _hint(rm, cg, found.saved)
     solver = _solver(max(0.5, time_limit_s - (time.perf_counter() - t0)), num_workers, deterministic)
-    if solver.solve(rm.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if run_solver(solver, rm.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return found.bound, None
     saved = {v for v, var in rm.saved.items() if solver.value(var)}
     if simulate(cg, build_schedule(cg, saved)).peak_bytes > budget_bytes:
@@ -625,7 +625,7 @@ def _next_lowest(rm: RematModel, found: list[frozenset], count: int, deadline: f
         if left <= 0.05:
             break
         solver = _solver(left, num_workers, deterministic, seed)
-        if solver.solve(rm.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if run_solver(solver, rm.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         S = frozenset(v for v, var in rm.saved.items() if solver.value(var))
         out.append(S)
@@ -664,7 +664,7 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
     solver = _solver(time_limit_s, num_workers, deterministic, seed)
     collect = _Collect(rm.saved)
-    status = solver.solve(rm.model, collect)
+    status = run_solver(solver, rm.model, collect)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
     saved = [v for v, var in rm.saved.items() if solver.value(var)]
@@ -820,7 +820,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     else:
         solver = _solver(max(0.5, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
         cb = _Progress(progress, relaxed) if progress else None
-        status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+        status = run_solver(solver, rm.model, cb)
     if status == "proven":
         saved = set(build_schedule(cg, warm).saved)
         best_cost = _set_cost_units(cg, saved, objective) // rm.cost_gcd
@@ -866,7 +866,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                              objective=objective)
             _hint(rm, cg, low)
             solver = _solver(time_limit_s, num_workers, deterministic)
-            status = solver.solve(rm.model, cb) if cb else solver.solve(rm.model)
+            status = run_solver(solver, rm.model, cb)
         else:
             status = cp_model.UNKNOWN
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # keep the cheapest lowest-peak plan
@@ -897,7 +897,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         _hint(rm2, cg, saved)
         left = total_s - (time.perf_counter() - t0) - finish_s
         solver2 = _solver(max(0.2, min(left, 0.25 * total_s)), num_workers, deterministic)
-        status2 = solver2.solve(rm2.model)
+        status2 = run_solver(solver2, rm2.model)
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             saved = {v for v, var in rm2.saved.items() if solver2.value(var)}
             model_peak = solver2.value(rm2.peak) * rm2.unit_bytes
