@@ -442,6 +442,11 @@ class _Collect(cp_model.CpSolverSolutionCallback):
             del self.found[:-self._keep]
 
 
+# The least time a search phase gets even when the time limit is spent (CP-SAT needs a moment to
+# return the hinted plan): a solve returns within time_limit_s plus a few of these.
+MIN_SLICE_S = 0.2
+
+
 def _solver(time_limit_s: float, num_workers: int | None, deterministic: bool, seed: int = 0
             ) -> cp_model.CpSolver:
     solver = new_solver()
@@ -645,7 +650,8 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
                       seed: int = 0) -> tuple[int, bool, list[str], list[tuple[str, int]]]:
     """The smallest feasible budget: the least peak of any plan (bytes) that saves ``forced_saved``
     and none of ``forbidden_saved``, whether that is proven optimal, and the plan reaching it (saved
-    set and reruns).
+    set and reruns). ``time_limit_s`` bounds the whole call (plus :data:`MIN_SLICE_S` per phase at
+    worst).
 
     CP-SAT finds the lowest-peak plan that recomputes each value at most once; with ``reruns``,
     :func:`~remat_compiler.solvers.rerun.lower_peak` then recomputes values again where that lowers
@@ -654,20 +660,28 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
     recomputed twice (reruns are searched locally, so where they exist there is no proof). Which plans
     reruns start from depends on the solutions CP-SAT meets, so ``seed`` (CP-SAT's random seed)
     varies the search; every plan found is remembered for later calls on the same graph."""
+    t0 = time.perf_counter()
     rm = build_model(cg, None, minimize="peak", forced_saved=forced_saved, forbidden_saved=forbidden_saved)
     hints = []
     try:
         S = block_boundary_set(cg)
         hints.append((S, simulate(cg, build_schedule(cg, S)).peak_bytes))
     except ValueError:  # no repeated blocks: the (slower) drop-greedy seeds the search instead
-        hints.append(greedy_saved_set(cg, 0))
-    _hint(rm, cg, min(hints, key=lambda h: h[1])[0])
-    solver = _solver(time_limit_s, num_workers, deterministic, seed)
+        hints.append(greedy_saved_set(cg, 0, deadline=t0 + 0.3 * time_limit_s))
+    start = min(hints, key=lambda h: h[1])[0]
+    _hint(rm, cg, start)
+    end = t0 + time_limit_s  # the whole call: CP-SAT's solve, then the rerun search
+    cp_share = 0.7 if reruns and not deterministic else 1.0
+    solver = _solver(max(MIN_SLICE_S, cp_share * time_limit_s - (time.perf_counter() - t0)), num_workers,
+                     deterministic, seed)
     collect = _Collect(rm.saved)
     status = run_solver(solver, rm.model, collect)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        saved = [v for v, var in rm.saved.items() if solver.value(var)]
+    elif status == cp_model.UNKNOWN:  # the time ran out before CP-SAT returned the hinted plan
+        saved = sorted(start)
+    else:
         raise RuntimeError(f"CP-SAT found no plan at all ({solver.status_name(status)})")
-    saved = [v for v, var in rm.saved.items() if solver.value(var)]
     peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
     known = [(p, S) for S, p in _KNOWN_PLANS.get(cg.fingerprint, ())
              if p < peak and _complies(S, forced_saved, forbidden_saved)]
@@ -684,11 +698,11 @@ def min_feasible_peak(cg: CostGraph, *, time_limit_s: float = 30.0, num_workers:
         # Plans of nearly the same peak differ in how much reruns can take off it: lower several
         # (CP-SAT's last solutions, newest first, and the chosen one), keep the lowest.
         starts = list(dict.fromkeys([frozenset(saved), *reversed(collect.found)]))
-        deadline = time.perf_counter() + max(1.0, 0.3 * time_limit_s)
+        deadline = max(end, time.perf_counter() + MIN_SLICE_S)
         if status == cp_model.OPTIMAL:
             # a graph small enough to prove: also take the next-lowest distinct plans (each solve
             # excludes the plans before it), so the result does not hang on which optimum CP-SAT met
-            starts += _next_lowest(rm, starts, 8, deadline - 0.5 * max(1.0, 0.3 * time_limit_s),
+            starts += _next_lowest(rm, starts, 8, deadline - 0.5 * (deadline - time.perf_counter()),
                                    num_workers, deterministic, seed)
         best = (peak, frozenset(saved), ())
         for i, S in enumerate(starts):
@@ -721,9 +735,12 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     budget_bytes : int | None
         Peak bound in bytes; None returns the no-recompute plan's cost (0) with the smallest peak.
     time_limit_s : float
-        For the whole call (warm start, cost solve, peak solve), about; an infeasible budget adds one
-        lowest-peak solve of the same length to name the smallest feasible budget. With
-        ``deterministic`` it is CP-SAT deterministic time (same plan every run).
+        For the whole call: warm start, cost solve, peak solve and, for an infeasible budget, the
+        lowest-peak search that names the smallest feasible budget. Each phase that finds the time
+        spent still gets :data:`MIN_SLICE_S`, and building models and plans is not interrupted, so
+        the call returns within about ``time_limit_s + 1 s`` on graphs of a few thousand nodes.
+        With ``deterministic`` the CP-SAT searches run on deterministic time (same plan every run)
+        and may take longer in wall time.
     num_workers : int, optional
         CP-SAT workers (default 8: CP-SAT's portfolio of strategies needs several, even on few cores).
     deterministic : bool
@@ -768,6 +785,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         If no plan fits; it names the smallest feasible budget.
     """
     t0 = time.perf_counter()
+    end = t0 + time_limit_s
+
+    def left(cap: float = math.inf) -> float:  # what remains of the time limit, at most ``cap``
+        return max(MIN_SLICE_S, min(cap, end - time.perf_counter()))
     if opts:
         raise TypeError(f"solve_cpsat got unknown options {sorted(opts)}")
     if objective not in OBJECTIVES:
@@ -778,21 +799,22 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     if budget_bytes is None or base_peak <= budget_bytes:
         warm = all_saved if _complies(all_saved, forced_saved, forbidden_saved) else None
     elif warm_start:
-        heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective))
+        heuristic, _ = best_heuristic_set(cg, budget_bytes, lambda n: cost_units(cg, n, objective),
+                                          deadline=t0 + 0.3 * time_limit_s)
         free = (objective == "flops" and heuristic is not None
                 and flop_gap(cg, build_schedule(cg, heuristic).recomputed, 0) == 0)
         if block_reuse and not forced_saved and not forbidden_saved and not free and not deterministic:
             # identical blocks: the decomposition's bound, and its plan (often optimal); not when the
             # heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already), nor in
             # deterministic mode (its solves run against the wall clock)
-            block_lb, decomposed = _block_decomposition(cg, budget_bytes, objective, 0.85 * time_limit_s,
+            block_lb, decomposed = _block_decomposition(cg, budget_bytes, objective, left(0.85 * time_limit_s),
                                                         num_workers, deterministic)
         composed = tied = None
         if block_reuse and decomposed is None:  # per-block options composed under the budget
-            composed = _blockwise(cg, budget_bytes, objective, min(15.0, 0.3 * time_limit_s),
+            composed = _blockwise(cg, budget_bytes, objective, left(min(15.0, 0.3 * time_limit_s)),
                                   forced_saved, forbidden_saved)
         if block_reuse and decomposed is None and composed is None:
-            tied = _warm_start(cg, budget_bytes, time_limit_s * block_reuse_share, num_workers,
+            tied = _warm_start(cg, budget_bytes, left(time_limit_s * block_reuse_share), num_workers,
                                deterministic, forced_saved, forbidden_saved, heuristic, objective)
         known = [S for S, peak in _KNOWN_PLANS.get(cg.fingerprint, ()) if peak <= budget_bytes]
         warm = min([w for w in (decomposed, composed, tied, heuristic, *known)
@@ -806,7 +828,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     t_build = time.perf_counter() - t_build
     # the LP bound matters only where something must be recomputed (otherwise the optimum costs 0)
     needs_recompute = budget_bytes is not None and base_peak > budget_bytes
-    relaxed = lp_bound(rm, min(5.0, 0.2 * time_limit_s)) if needs_recompute else None
+    relaxed = lp_bound(rm, left(min(5.0, 0.2 * time_limit_s))) if needs_recompute else None
     if block_lb is not None and math.isfinite(block_lb):  # the decomposition's, in cost units
         relaxed = max(relaxed or 0.0, block_lb / rm.cost_gcd)
     total_s = time_limit_s
@@ -818,7 +840,8 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         # blocks): a search could not improve it meaningfully, so it stands for the search's result
         solver, status = None, "proven"
     else:
-        solver = _solver(max(0.5, share * total_s - (time.perf_counter() - t0)), num_workers, deterministic)
+        solver = _solver(max(MIN_SLICE_S, share * total_s - (time.perf_counter() - t0)), num_workers,
+                         deterministic)
         cb = _Progress(progress, relaxed) if progress else None
         status = run_solver(solver, rm.model, cb)
     if status == "proven":
@@ -844,17 +867,24 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         # No plan yet: find the lowest-peak plan; it names the smallest budget, or seeds a second try.
         # Below what CP-SAT's model reaches, only plans that recompute a value more than once fit.
         bound = solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0
+        # what is left of the time limit (the cost search stops at 80% of it when it finds nothing)
+        # goes to the lowest-peak search, less a share for a second cost search from its plan
+        search_s = left() * (0.6 if status == cp_model.UNKNOWN else 1.0)
         min_peak, proven, low, rerun = min_feasible_peak(
-            cg, time_limit_s=time_limit_s, num_workers=num_workers, deterministic=deterministic,
-            forced_saved=forced_saved, forbidden_saved=forbidden_saved, reruns=reruns)
+            cg, time_limit_s=max(MIN_SLICE_S, search_s), num_workers=num_workers,
+            deterministic=deterministic, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
+            reruns=reruns)
         # A budget named by an earlier search (another process) may need the rerun plan that
         # search met: look again from other CP-SAT seeds before calling the budget infeasible.
         for seed in (1, 2):
-            if not reruns or budget_bytes is None or not 0.9 * min_peak <= budget_bytes < min_peak:
+            if not reruns or budget_bytes is None or not 0.9 * min_peak <= budget_bytes < min_peak \
+                    or end - time.perf_counter() < 2 * MIN_SLICE_S:
                 break
-            min_peak, proven, low, rerun = min_feasible_peak(
-                cg, time_limit_s=time_limit_s / 2, num_workers=num_workers, deterministic=deterministic,
+            best = min_feasible_peak(
+                cg, time_limit_s=left() / 2, num_workers=num_workers, deterministic=deterministic,
                 forced_saved=forced_saved, forbidden_saved=forbidden_saved, seed=seed)
+            if best[0] < min_peak:
+                min_peak, proven, low, rerun = best
         fitting = [(S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
                    if reruns and budget_bytes is not None and p <= budget_bytes
                    and _complies(S, forced_saved, forbidden_saved)]
@@ -865,7 +895,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
             rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
                              objective=objective)
             _hint(rm, cg, low)
-            solver = _solver(time_limit_s, num_workers, deterministic)
+            solver = _solver(left(), num_workers, deterministic)
             status = run_solver(solver, rm.model, cb)
         else:
             status = cp_model.UNKNOWN

@@ -24,21 +24,22 @@ def _recompute_cost(cg: CostGraph, schedule, cost_of) -> float:
 
 
 def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12,
-                     cost_of=None) -> tuple[set[str], int]:
+                     cost_of=None, deadline: float | None = None) -> tuple[set[str], int]:
     """A saved set whose simulated peak is as close to ``budget_bytes`` as greedy gets.
 
     Each round looks at the saved values live at the current peak step, tries dropping the ``width``
     cheapest per byte, and keeps the drop with the smallest marginal recompute cost (the whole
     recompute chain it causes, from the simulator) per byte the peak goes down.
 
-    ``cost_of(node)`` is the recompute cost (default: the runtime estimate). Returns the saved set and
-    its simulated peak (above the budget if greedy got stuck).
+    ``cost_of(node)`` is the recompute cost (default: the runtime estimate). ``deadline`` (a
+    ``time.perf_counter()`` value) stops the rounds early. Returns the saved set and its simulated
+    peak (above the budget if greedy got stuck or ran out of time).
     """
     cost_of = cost_of or _runtime(cg)
     saved = set(save_all_set(cg))
     schedule = build_schedule(cg, saved)
     sim, cost = simulate(cg, schedule), _recompute_cost(cg, schedule, cost_of)
-    while sim.peak_bytes > budget_bytes:
+    while sim.peak_bytes > budget_bytes and (deadline is None or time.perf_counter() < deadline):
         t = sim.peak_time
         live = [v for v in saved if not cg.attr(v, "never_recompute")
                 and sim.times[(v, "fw")][0] <= t <= sim.times[(v, "fw")][1]]
@@ -62,7 +63,7 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12,
 
 
 def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
-                   cost_of=None) -> tuple[set[str], int]:
+                   cost_of=None, deadline: float | None = None) -> tuple[set[str], int]:
     """Grow a fitting saved set: save more values, densest recompute saving per byte first.
 
     Starting from ``start`` (e.g. the per-block checkpoint plan), each group of candidates (one
@@ -82,6 +83,8 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
     order = sorted((g for g in groups if g),
                    key=lambda g: (-cost_of(g[0]) / cg.attr(g[0], "bytes"), cg.attr(g[0], "order")))
     for group in order:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         trial = saved | set(group)
         schedule = build_schedule(cg, trial)
         if not set(group) & set(schedule.saved):
@@ -93,9 +96,10 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
     return saved, sim.peak_bytes
 
 
-def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None) -> tuple[set[str] | None, int]:
+def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None, deadline: float | None = None
+                       ) -> tuple[set[str] | None, int]:
     """The cheapest fitting saved set among the heuristics (drop from save-all, fill from checkpoints),
-    by ``cost_of`` (default: the runtime estimate).
+    by ``cost_of`` (default: the runtime estimate), each stopped at ``deadline`` (perf_counter time).
 
     Returns ``(None, lowest peak seen)`` when none fits.
     """
@@ -111,11 +115,12 @@ def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None) -> tuple[
     classes = block_classes(cg) if start is not None else []
     found = []
     if classes:  # identical blocks: fill a value in every block at once (few, cheap simulations)
-        found.append(fill_saved_set(cg, budget_bytes, start, groups=classes, cost_of=cost_of))
+        found.append(fill_saved_set(cg, budget_bytes, start, groups=classes, cost_of=cost_of,
+                                    deadline=deadline))
     else:  # the per-value heuristics simulate once per candidate: fine without repeated blocks
         if start is not None:
-            found.append(fill_saved_set(cg, budget_bytes, start, cost_of=cost_of))
-        found.append(greedy_saved_set(cg, budget_bytes, cost_of=cost_of))
+            found.append(fill_saved_set(cg, budget_bytes, start, cost_of=cost_of, deadline=deadline))
+        found.append(greedy_saved_set(cg, budget_bytes, cost_of=cost_of, deadline=deadline))
     fitting = [(_recompute_cost(cg, build_schedule(cg, S), cost_of), peak, S) for S, peak in found
                if peak <= budget_bytes]
     if not fitting:
@@ -124,7 +129,7 @@ def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None) -> tuple[
     return S, peak
 
 
-def solve_greedy(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
+def solve_greedy(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float | None = None) -> Plan:
     """Greedy plan under ``budget_bytes`` (no optimality claim: status "feasible", gap unknown = 1.0).
 
     Raises
@@ -137,7 +142,8 @@ def solve_greedy(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
     if budget_bytes is None:
         saved, peak = set(save_all_set(cg)), None
     else:
-        saved, peak = best_heuristic_set(cg, budget_bytes)
+        deadline = None if time_limit_s is None else t0 + time_limit_s
+        saved, peak = best_heuristic_set(cg, budget_bytes, deadline=deadline)
         if saved is None:
             raise InfeasibleBudgetError(budget_bytes, peak, proven=False,
                                         advice="or solver='cpsat', which searches every plan")
