@@ -1,6 +1,7 @@
 """Graph passes: pure steps ``GraphModule -> GraphModule`` that talk only through ``node.meta["remat.*"]``.
 
-Before annotating, :func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward
+Before annotating, :func:`passes.rng.replayable_dropout` makes dropout replay its RNG state where it
+is recomputed, and :func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward
 into one op (it holds two logits-sized tensors instead of three). Keys written (each documented in the
 pass that writes it):
 
@@ -22,10 +23,11 @@ from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
 from passes.loss import fuse_cross_entropy_backward
 from passes.phases import annotate_phases
+from passes.rng import replayable_dropout
 from passes.storage import annotate_storage, calibrate_scalar_storage
 
 __all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "calibrate_scalar_storage",
-           "annotate_costs", "annotate_blocks", "fuse_cross_entropy_backward"]
+           "annotate_costs", "annotate_blocks", "fuse_cross_entropy_backward", "replayable_dropout"]
 
 
 def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None
@@ -42,6 +44,7 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
         Compute rate, memory and link bandwidth for the runtime estimate.
     """
     gm.graph.eliminate_dead_code()
+    gm = replayable_dropout(gm)
     gm = fuse_cross_entropy_backward(gm)
     gm = annotate_phases(gm, num_fwd_outputs=num_fwd_outputs)
     gm = annotate_storage(gm)

@@ -7,7 +7,8 @@ Writes on every call_function node:
 - ``remat.comm_bytes``: bytes a collective moves over the link (0 for other ops);
 - ``remat.runtime_s``: a roofline estimate, ``max(flops / compute rate, bytes read and written /
   memory bandwidth) + comm_bytes / link bandwidth``; views and aliases cost 0;
-- ``remat.never_recompute`` and ``remat.reason``: random ops (their RNG state is not replayed), ops that
+- ``remat.never_recompute`` and ``remat.reason``: random ops (their RNG state is not replayed; dropout's
+  is, see :mod:`passes.rng`, and the state it reads is never recomputed), ops that
   mutate their inputs and other side effects must not be recomputed blindly; nor may an op that
   reads an input the step mutates in place (placeholder ``meta["remat.mutated_input"]``, written by
   the trace): in backward that input no longer holds the forward's value. Training-mode BatchNorm
@@ -25,6 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
+from passes.rng import is_rng_state
 from passes.storage import STORAGE
 
 __all__ = ["CostModel", "annotate_costs", "is_collective", "is_training_batch_norm"]
@@ -89,6 +91,8 @@ def _never_recompute(node: fx.Node) -> str | None:
         if is_training_batch_norm(parent) and node.args[1] >= 3:
             return "a batch norm's updated running statistics (the step writes them into its buffers)"
         return parent.meta.get(REASON) if parent.meta.get(NEVER) else None
+    if is_rng_state(node):
+        return "the generator's state before a dropout (read again, it would be a later one)"
     stats = set(node.args[3:5]) if is_training_batch_norm(node) else set()
     for a in node.all_input_nodes:
         if a.op == "placeholder" and a.meta.get(MUTATED) and a not in stats:

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from passes.costs import is_training_batch_norm
+from passes.rng import is_dropout_at, replaying
 from passes.storage import is_wait
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -115,6 +116,8 @@ def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             env[n] = _batch_norm_without_stats(new, n, env)
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
+        if name in recomputed and is_dropout_at(n):  # draws the forward's mask again
+            env[n].args = replaying(env[n])
     out = next(iter(bw.graph.find_nodes(op="output")))
     new_out = new.node_copy(out, lambda a: env[a])
     new_out.meta = out.meta

@@ -352,7 +352,9 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     # held to the end: the caller's outputs (unless it drops them), the gradients backward returns,
     # and the gradients autograd's engine passes in (it holds them until backward returns). When the model returns a
     # scalar (its loss), that seed is the only real gradient: AOTAutograd makes zeros for the other
-    # outputs and frees them after their last use. Otherwise a loss outside feeds every output.
+    # outputs and frees them after their last use. Otherwise every output's gradient is held to the
+    # end: right for out.backward(g), whose caller holds g; a gradient that a loss computed outside
+    # makes (loss_fn(out).backward()) is freed after its last use, and the plan is above by its bytes.
     seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()] or list(cg.tangents)
     held = [o for o in cg.fw_outputs if o is not None and cg.storage(o) in cg.held_storages]
     for n in [*held, *cg.bw_outputs, *seeds]:

@@ -72,25 +72,36 @@ def test_constants_made_in_forward_are_resident_and_empty_ones_need_no_storage()
         assert peak == m.plan.peak_bytes <= budget
 
 
+class MeanSquare(nn.Module):
+    """The loss, inside the model: a loss computed outside it is not the plan's (the tracker counts
+    its value and seed, the plan holds the model's output and the loss's gradient through backward,
+    while AOTAutograd frees that gradient after its last use), so measured == predicted needs it here."""
+
+    def forward(self, h):
+        return h.pow(2).mean()
+
+
 def _bn_chain():
     torch.manual_seed(0)
     layers = [m for _ in range(3) for m in (nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh())]
-    return nn.Sequential(*layers, nn.Linear(32, 1)).double()
+    return nn.Sequential(*layers, nn.Linear(32, 1), MeanSquare()).double()
 
 
 def test_training_batch_norm_recomputed_gives_eagers_gradients_and_running_stats():
     model, x = _bn_chain(), torch.randn(128, 32, dtype=torch.float64)
-    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x).pow(2).mean())  # noqa: E731
+    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
     ref, eager_loss, eager_grads = _eager(model, step)
     smallest, between = _at_smallest_and_between(model, x)
-    net = copy.deepcopy(model)
-    m = rc.compile(net, memory_budget=smallest, time_limit_s=2)
-    peak, loss, grads = _measured(net, m, step)
-    assert any("batch_norm" in n for n in m.plan.recomputed), "the smallest budget recomputes BatchNorm"
-    assert torch.equal(loss, eager_loss)
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
-    assert all(torch.equal(a, b) for a, b in zip(net.buffers(), ref.buffers()))
-    assert peak == m.plan.peak_bytes <= smallest
+    for budget in (smallest, between):
+        net = copy.deepcopy(model)
+        m = rc.compile(net, memory_budget=budget, time_limit_s=2)
+        peak, loss, grads = _measured(net, m, step)
+        if budget == smallest:
+            assert any("batch_norm" in n for n in m.plan.recomputed), "the smallest budget recomputes it"
+        assert torch.equal(loss, eager_loss)
+        assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+        assert all(torch.equal(a, b) for a, b in zip(net.buffers(), ref.buffers()))
+        assert peak == m.plan.peak_bytes <= budget
 
 
 class MutatesBuffer(nn.Module):
@@ -322,3 +333,36 @@ def test_compiled_forward_has_the_models_signature():
     assert list(inspect.signature(m.forward).parameters) == ["input_ids", "labels"]
     m(torch.randn(3, 2)).backward()
     assert m.plan is not None
+
+
+class DropoutChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1),
+                                                                  nn.Linear(64, 32))])
+
+    def forward(self, x):
+        return self.net(x).pow(2).mean()
+
+
+def test_dropout_is_recomputed_with_its_rng_state_replayed():
+    """At the smallest budget the plan recomputes the dropouts; under the same seed the loss and
+    gradients are eager's bit for bit, and the generator ends where eager leaves it."""
+    torch.manual_seed(0)
+    model, x = DropoutChain().double(), torch.randn(128, 32, dtype=torch.float64)
+
+    def step(call):
+        torch.manual_seed(7)
+        loss = call(x)
+        loss.backward()
+        return loss.detach(), torch.get_rng_state()
+    ref, (eager_loss, eager_rng), eager_grads = _eager(model, step)
+    smallest, _ = _at_smallest_and_between(model, x)
+    net = copy.deepcopy(model)
+    m = rc.compile(net, memory_budget=smallest, time_limit_s=2)
+    peak, (loss, rng), grads = _measured(net, m, step)
+    assert [n for n in m.plan.recomputed if n.startswith("dropout_at")], m.plan.recomputed
+    assert not [n for n in m.plan.recomputed if n.startswith("rng_state")]  # the state is saved
+    assert torch.equal(loss, eager_loss) and torch.equal(rng, eager_rng)
+    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    assert peak == m.plan.peak_bytes <= smallest
