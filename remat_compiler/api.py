@@ -114,6 +114,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     """
     parse_budget(memory_budget)
     get_solver(solver)
+    check_time_limit(solver_options.get("time_limit_s"))
     gm, cg = analyze(model, args, kwargs, cost_model=cost_model, solver=solver, hold_outputs=hold_outputs)
     return plan_graph(gm, cg, memory_budget, solver=solver, **solver_options)
 

@@ -17,6 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["LiveStorageTracker", "measure_step_peak"]
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """A tracing tensor (fake, functional or another wrapper subclass): no real storage. A first
+    call that traces and plans runs the model on these; they are not the step's memory."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or is_traceable_wrapper_subclass(t)
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Track live bytes of storages allocated inside the ``with`` block.
 
@@ -53,7 +63,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 inputs.add(x.untyped_storage()._cdata)
         for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or _traced(t):
                 continue
             st = t.untyped_storage()
             key = st._cdata
