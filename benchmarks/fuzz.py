@@ -229,9 +229,14 @@ def check_model(case: FuzzCase, *, time_limit_s: float = 1.0, n_random: int = 2)
             return _step(net, step, x)
         finally:
             torch._dynamo.reset()
-    _, cg = rc.analyze(case.model, (case.x,))
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s)
-    baseline = solve(cg, None, "save_all").peak_bytes
+    try:
+        _, cg = rc.analyze(case.model, (case.x,))
+        smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s)
+        baseline = solve(cg, None, "save_all").peak_bytes
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported with its seed
+        res.failures.append(f"seed {case.seed}: planning crashed: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:200]}")
+        return res
     rng = random.Random(case.seed)
     budgets = [None, baseline, smallest] + sorted(
         {rng.randint(smallest, baseline) for _ in range(n_random)} if smallest < baseline else set())

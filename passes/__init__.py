@@ -10,7 +10,7 @@ pass that writes it):
   ``remat.bytes``: bytes of new storage this node allocates (0 for views, aliases and tuples);
   ``remat.tuple``: True for multi-output nodes                             (:mod:`passes.storage`)
 - ``remat.flops``, ``remat.runtime_s``, ``remat.comm_bytes``, ``remat.never_recompute``,
-  ``remat.reason``                                                        (:mod:`passes.costs`)
+  ``remat.reason``, ``remat.recompute_unread``                            (:mod:`passes.costs`)
 - ``remat.module``, ``remat.block``                                      (:mod:`passes.blocks`)
 - ``remat.moe``: None, or ``{segment, kind, role, fused}`` for nodes inside an MoE block
                                                                           (:mod:`passes.moe`)

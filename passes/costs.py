@@ -14,7 +14,11 @@ Writes on every call_function node:
   the trace): in backward that input no longer holds the forward's value. Training-mode BatchNorm
   is the exception: its output and batch statistics do not depend on the running statistics it
   reads, and codegen recomputes it without them (:func:`is_training_batch_norm`); the running
-  statistics it returns are never recomputed.
+  statistics it returns are never recomputed;
+- ``remat.recompute_unread``: the names of the inputs only the forward run of the node reads, not its
+  recomputation (a training-mode BatchNorm's running statistics: recomputed, it runs without them);
+  empty for every other node. The cost graph leaves these reads out of its edges (a recomputation
+  does not keep them alive) and keeps them for the forward's liveness.
 """
 from __future__ import annotations
 
@@ -29,13 +33,14 @@ from torch.utils.flop_counter import flop_registry
 from passes.rng import is_rng_state
 from passes.storage import STORAGE
 
-__all__ = ["CostModel", "annotate_costs", "is_collective", "is_training_batch_norm"]
+__all__ = ["CostModel", "annotate_costs", "is_collective", "is_training_batch_norm", "recompute_unread"]
 
 FLOPS = "remat.flops"
 RUNTIME = "remat.runtime_s"
 COMM = "remat.comm_bytes"
 NEVER = "remat.never_recompute"
 REASON = "remat.reason"
+RECOMPUTE_UNREAD = "remat.recompute_unread"
 MUTATED = "remat.mutated_input"
 
 
@@ -84,6 +89,17 @@ def is_training_batch_norm(node: fx.Node) -> bool:
         node.target is torch.ops.aten._native_batch_norm_legit_functional.default and bool(node.args[5])
 
 
+def recompute_unread(node: fx.Node) -> list[str]:
+    """Inputs the forward run of ``node`` reads and its recomputation does not: a training-mode
+    BatchNorm's running statistics (codegen recomputes it as ``no_stats``), unless it also reads them
+    as another argument."""
+    if not is_training_batch_norm(node):
+        return []
+    other = {a for a in pytree.arg_tree_leaves(*node.args[:3], *node.args[5:], **node.kwargs)
+             if isinstance(a, fx.Node)}
+    return [a.name for a in node.args[3:5] if isinstance(a, fx.Node) and a not in other]
+
+
 def _never_recompute(node: fx.Node) -> str | None:
     target = node.target
     if node.target is operator.getitem:
@@ -114,6 +130,7 @@ def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             n.meta[FLOPS], n.meta[RUNTIME], n.meta[COMM], n.meta[NEVER] = 0, 0.0, 0, False
+            n.meta[RECOMPUTE_UNREAD] = []
             continue
         is_alias = n.meta.get(STORAGE) not in (None, n.name)
         is_getitem = n.target is operator.getitem
@@ -132,4 +149,5 @@ def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
         reason = _never_recompute(n)
         n.meta[FLOPS], n.meta[COMM], n.meta[RUNTIME] = flops, comm, runtime
         n.meta[NEVER], n.meta[REASON] = reason is not None, reason
+        n.meta[RECOMPUTE_UNREAD] = recompute_unread(n)
     return gm

@@ -18,6 +18,7 @@ import inspect
 import math
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -170,10 +171,8 @@ class _GradGate(torch.autograd.Function):
         return (None, None, *out)
 
 
-def _grad_deps(planned: PlannedGraph, step: StepFunction) -> list | None:
-    """For each flat input, the indices of the tangents its gradient depends on (None: no gradient,
-    or unknown); None overall when the gate cannot map tangents to outputs (an input that requires
-    grad is mutated in place: AOTAutograd then has tangents for it too)."""
+def _grad_deps(planned: PlannedGraph) -> list | None:
+    """For each flat input, the indices of the tangents its gradient depends on (None: no gradient)."""
     cg = planned.cg
     tangents = {t: i for i, t in enumerate(cg.tangents)}
     deps = []
@@ -194,11 +193,12 @@ class _ForwardWithSignature:
         if obj is None:
             return objtype._step
         fn = obj.__dict__.get("_forward_with_signature")
-        if fn is None:
+        if fn is None or fn.owner() is not obj:  # (a copy made without __getstate__ has the original's)
             step = obj._step
 
             def fn(*args, **kwargs):
                 return step(*args, **kwargs)
+            fn.owner = weakref.ref(obj)
             try:
                 fn.__signature__ = inspect.signature(obj._orig_mod.forward)
             except (TypeError, ValueError):  # a forward without a signature (a builtin)
@@ -285,7 +285,7 @@ class CompiledModule(torch.nn.Module):
                 planned = plan_graph(gm, cg, self._budget, solver=self._solver, **self._solver_options)
                 planned = _sync_across_ranks(planned)
             entry.planned = planned
-            entry.grad_deps = _grad_deps(planned, entry.step)
+            entry.grad_deps = _grad_deps(planned)
             return emit(gm, planned.plan)
         return partition
 

@@ -201,9 +201,14 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
         if n not in saved_values:
             saved_values.append(n)
     bn = [names[r] for r in plan.schedule.recomputed if is_training_batch_norm(names[r])]
-    fw, bw = _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
+    stats_only: set[str] = set()
     if bn:  # backward recomputes them without their running statistics (see reorder_backward)
         bw_gm, stats_only = _batch_norm_stats_unread(gm, bn, set(plan.schedule.recomputed))
+    # the plan does not save what only those reads need; this extraction is for the forward alone
+    # (with bn, the backward is extracted from bw_gm below), and gm's BatchNorms still read them
+    stats = [names[a] for a in sorted(stats_only) if names[a] not in saved_values]
+    fw, bw = _extract_fwd_bwd_modules(gm, saved_values + stats, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
+    if bn:
         bw_names = {n.name: n for n in bw_gm.graph.nodes}
         keep = [bw_names[n.name] for n in saved_values if n.name not in stats_only]
         _, bw = _extract_fwd_bwd_modules(bw_gm, keep, saved_sym_nodes=[], num_fwd_outputs=num_fwd)

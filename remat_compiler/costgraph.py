@@ -1,7 +1,10 @@
 """CostGraph: the joint graph as a networkx DiGraph with per-node memory and compute costs.
 
-Nodes are the joint graph's node names; an edge ``u -> v`` means v reads u. Node attributes come from
-the passes' ``remat.*`` meta keys:
+Nodes are the joint graph's node names; an edge ``u -> v`` means v reads u, whenever v runs. A read
+only v's forward run makes (a training BatchNorm's running statistics, which its recomputation does
+not read: ``remat.recompute_unread``) is no edge: it is in v's ``fw_only_reads`` and counts for
+the forward's liveness alone (:meth:`CostGraph.fw_preds`). Node attributes come from the passes'
+``remat.*`` meta keys:
 
 =================  =====================================================================
 ``phase``          "input", "tangent", "fw" or "bw"
@@ -13,6 +16,7 @@ the passes' ``remat.*`` meta keys:
 ``comm_bytes``     bytes a collective moves
 ``never_recompute``  random, mutating or side-effecting op
 ``is_tuple``       multi-output node (its tensors belong to its getitem users)
+``fw_only_reads``  inputs only the node's forward run reads (not a recomputation of it)
 ``op``, ``shape``, ``dtype``, ``module``, ``block``, ``moe``  for people and hand-picked strategies
 =================  =====================================================================
 
@@ -80,6 +84,7 @@ class CostGraph:
                                          for o in outs[num_fwd:]]
                 continue
             val = n.meta.get("val")
+            fw_only = tuple(n.meta.get("remat.recompute_unread", ()))
             g.add_node(
                 n.name,
                 order=i,
@@ -98,9 +103,11 @@ class CostGraph:
                 module=n.meta.get("remat.module", ""),
                 block=n.meta.get("remat.block"),
                 moe=n.meta.get("remat.moe"),
+                fw_only_reads=fw_only,
             )
             for a in n.all_input_nodes:
-                g.add_edge(a.name, n.name)
+                if a.name not in fw_only:
+                    g.add_edge(a.name, n.name)
         g.graph["input_updates"] = sorted(gm.meta.get("remat.input_updates", ()))
         g.graph["block_container"] = gm.meta.get("remat.block_container")
         g.graph["hold_outputs"] = bool(hold_outputs)
@@ -197,6 +204,16 @@ class CostGraph:
         order = {n: a["order"] for n, a in self.g.nodes(data=True)}
         return {n: sorted(self.g.predecessors(n), key=order.__getitem__) for n in self.g.nodes}
 
+    def fw_preds(self, name: str) -> list[str]:
+        """Inputs of a node's forward run, in joint-graph order: its edges and its ``fw_only_reads``."""
+        return self._fw_preds.get(name) or self._preds[name]
+
+    @cached_property
+    def _fw_preds(self) -> dict[str, list[str]]:
+        order = {n: a["order"] for n, a in self.g.nodes(data=True)}
+        return {n: sorted({*self._preds[n], *a["fw_only_reads"]}, key=order.__getitem__)
+                for n, a in self.g.nodes(data=True) if a.get("fw_only_reads")}
+
     def storage(self, name: str) -> str | None:
         return self._storage[name]
 
@@ -267,7 +284,7 @@ class CostGraph:
         for n in self.order:
             a = self.g.nodes[n]
             h.update(f"{n}|{a['op']}|{a['phase']}|{a['shape']}|{a['dtype']}|".encode())
-            h.update(",".join(self.preds(n)).encode())
+            h.update(",".join(self.fw_preds(n)).encode())
             h.update(b";")
         h.update(repr(self.fw_outputs).encode())
         h.update(repr(self.bw_outputs).encode())

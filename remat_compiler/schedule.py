@@ -315,7 +315,7 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
             time = bw_time(F, step - F, fw_index[n] if kind.startswith("rc") else None)
         order.append(n)
         times.append(time)
-        for p in cg.preds(n):
+        for p in cg.fw_preds(n) if kind == "fw" else cg.preds(n):  # a recomputation reads less
             use(p, step, ev, time, n)
         if storage_of[n] == n and nodes[n]["bytes"] > 0 and live.get(n) != (n, kind):
             alloc(n, kind, step, ev, time)

@@ -39,9 +39,9 @@ def _eager(model, step):
     return ref, loss, {n: p.grad for n, p in ref.named_parameters()}
 
 
-def _at_smallest_and_between(model, x):
+def _at_smallest_and_between(model, x, time_limit_s=2):
     _, cg = rc.analyze(model, (x,))
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=2)
+    smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s)
     top = solve(cg, None, "save_all").peak_bytes
     return [smallest, (smallest + top) // 2]
 
@@ -102,6 +102,52 @@ def test_training_batch_norm_recomputed_gives_eagers_gradients_and_running_stats
         assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
         assert all(torch.equal(a, b) for a, b in zip(net.buffers(), ref.buffers()))
         assert peak == m.plan.peak_bytes <= budget
+
+
+class SharedBatchNorm(nn.Module):
+    """One BatchNorm applied twice (fuzz seed 14): the second call reads the running statistics the
+    first call updated, values of the forward rather than buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.s = nn.BatchNorm1d(8), nn.Parameter(torch.randn(16, 1, 1))
+
+    def forward(self, x):
+        return (torch.log_softmax(self.bn(self.bn(x)), dim=-1) * self.s).pow(2).mean()
+
+
+def test_a_recomputed_batch_norm_keeps_no_running_statistics_it_does_not_read():
+    """Recomputed, a training BatchNorm runs without its running statistics: the plan must not keep
+    the first call's updated statistics for the second call's recomputation (it did, and predicted
+    their 64 bytes at a backward peak codegen never held them at)."""
+    from passes.costs import is_training_batch_norm
+    from remat_compiler.plan import make_plan
+    from remat_compiler.schedule import save_all_set
+
+    torch.manual_seed(0)
+    model, x = SharedBatchNorm(), torch.randn(8, 8)
+    gm, cg = rc.analyze(model, (x,))
+    first, second = [n for n in gm.graph.nodes if is_training_batch_norm(n)]
+    stats = [a.name for a in second.args[3:5]]
+    assert all(cg.attr(s, "phase") == "fw" for s in stats)  # the first call's updated statistics
+    assert set(stats) <= set(cg.fw_preds(second.name)) and not set(stats) & set(cg.preds(second.name))
+    # save everything backward reads except the second call's batch statistics: it is recomputed
+    batch_stats = {u.name for u in second.users if u.args[1] in (1, 2)}
+    saved = [v for v in save_all_set(cg) if v not in batch_stats]
+
+    def solve_fixed(cg, budget_bytes, **_):
+        return make_plan(cg, saved, budget_bytes=budget_bytes, solver="fixed")
+
+    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
+    ref, eager_loss, eager_grads = _eager(model, step)
+    net = copy.deepcopy(model)
+    m = rc.compile(net, solver=solve_fixed)
+    peak, loss, grads = _measured(net, m, step)
+    assert second.name in m.plan.recomputed and not set(stats) & set(m.plan.saved)
+    assert peak == m.plan.peak_bytes
+    assert torch.equal(loss, eager_loss)
+    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    assert all(torch.equal(a, b) for a, b in zip(net.buffers(), ref.buffers()))
 
 
 class MutatesBuffer(nn.Module):
@@ -357,9 +403,9 @@ def test_dropout_is_recomputed_with_its_rng_state_replayed():
         loss.backward()
         return loss.detach(), torch.get_rng_state()
     ref, (eager_loss, eager_rng), eager_grads = _eager(model, step)
-    smallest, _ = _at_smallest_and_between(model, x)
+    smallest, _ = _at_smallest_and_between(model, x, time_limit_s=5)
     net = copy.deepcopy(model)
-    m = rc.compile(net, memory_budget=smallest, time_limit_s=2)
+    m = rc.compile(net, memory_budget=smallest, time_limit_s=5)
     peak, (loss, rng), grads = _measured(net, m, step)
     assert [n for n in m.plan.recomputed if n.startswith("dropout_at")], m.plan.recomputed
     assert not [n for n in m.plan.recomputed if n.startswith("rng_state")]  # the state is saved

@@ -68,12 +68,13 @@ def storage_readers(cg: CostGraph):
     rc_readers: dict[str, set[str]] = {}
     F = len(cg.fw_order)
     for i, u in enumerate(cg.fw_order):
-        for p in cg.preds(u):
+        for p in cg.fw_preds(u):
             o = cg.storage(p)
             if o is None:
                 continue
             fw_reads[o] = max(fw_reads.get(o, -1), i)
-            rc_readers.setdefault(o, set()).add(u)
+            if p not in cg.attr(u, "fw_only_reads"):  # a read its recomputation makes too
+                rc_readers.setdefault(o, set()).add(u)
     for o in cg.fw_outputs:  # the forward's outputs live until it returns
         if o is not None and cg.storage(o) is not None:
             fw_reads[cg.storage(o)] = F - 1
