@@ -31,7 +31,7 @@ from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.check import check_plan
 from remat_compiler.codegen import emit
 from remat_compiler.costgraph import CostGraph
-from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
+from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError, RematError
 from remat_compiler.plan import Plan
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.solvers import get_solver, resolve_budget, solve
@@ -281,9 +281,11 @@ class CompiledModule(torch.nn.Module):
                         f"the plan given peaks at {planned.sim.peak_bytes} bytes, above memory_budget "
                         f"{budget_bytes} bytes: pass a larger budget, or leave plan= out to re-plan "
                         f"under this one")
+            elif _distributed():
+                planned = _plan_on_rank0(gm, cg, lambda: plan_graph(
+                    gm, cg, self._budget, solver=self._solver, **self._solver_options))
             else:
                 planned = plan_graph(gm, cg, self._budget, solver=self._solver, **self._solver_options)
-                planned = _sync_across_ranks(planned)
             entry.planned = planned
             entry.grad_deps = _grad_deps(planned)
             return emit(gm, planned.plan)
@@ -380,20 +382,45 @@ class CompiledModule(torch.nn.Module):
         return entry.step.unflatten_outputs(out)
 
 
-def _sync_across_ranks(planned: PlannedGraph) -> PlannedGraph:
-    """Under torch.distributed, every rank takes rank 0's plan (a differing plan deadlocks collectives)."""
+def _distributed() -> bool:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return planned
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _plan_on_rank0(gm: fx.GraphModule, cg: CostGraph, make_plan: Callable[[], PlannedGraph]) -> PlannedGraph:
+    """Under torch.distributed every rank runs rank 0's plan (a differing plan deadlocks collectives):
+    rank 0 solves and broadcasts the plan, or the error it met, which every rank then raises (a rank
+    that failed alone would leave the others waiting in the broadcast)."""
+    import torch.distributed as dist
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    payload = [planned.plan.to_json() if dist.get_rank() == 0 else None]
+    planned, payload = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            planned = make_plan()
+            payload = [("plan", planned.plan.to_json())]
+        except InfeasibleBudgetError as exc:
+            payload = [("infeasible", exc.budget_bytes, exc.min_feasible_bytes, exc.proven, str(exc))]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            payload = [("error", f"{type(exc).__name__}: {exc}")]
+            failure = exc
     with unset_fake_temporarily():  # planning runs inside AOTAutograd's fake mode; the broadcast is real
         dist.broadcast_object_list(payload, src=0)
-    plan = Plan.from_json(payload[0])
-    sim = check_plan(planned.cg, plan)
-    return PlannedGraph(planned.gm, planned.cg, plan, sim)
+    kind, *rest = payload[0]
+    if kind == "infeasible":
+        budget, smallest, proven, message = rest
+        exc = InfeasibleBudgetError(budget, smallest, proven=proven)
+        exc.args = (message,)
+        raise exc
+    if kind == "error":
+        if dist.get_rank() == 0:
+            raise failure
+        raise RematError(f"rank 0 could not plan this step: {rest[0]}")
+    if planned is None:
+        plan = Plan.from_json(rest[0])
+        planned = PlannedGraph(gm, cg, plan, check_plan(cg, plan))
+    return planned
 
 
 def check_time_limit(time_limit_s) -> None:

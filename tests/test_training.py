@@ -149,6 +149,11 @@ def _ddp_rank(rank, world, port, out_dir):
             raise AssertionError("compile(DDP(model)) was accepted")
         except ValueError as exc:
             assert "DDP(remat_compiler.compile(model" in str(exc)
+        try:  # rank 0 plans; its error reaches every rank (none is left waiting for a plan)
+            rc.compile(copy.deepcopy(model), memory_budget=1, time_limit_s=1)(shards[rank])
+            raise AssertionError("a 1-byte budget was accepted")
+        except rc.InfeasibleBudgetError as exc:
+            assert exc.min_feasible_bytes > 1
         ddp = DDP(rc.compile(model, memory_budget=0.9, time_limit_s=2))
         ref = copy.deepcopy(model)
         for _step in range(3):
@@ -165,7 +170,8 @@ def _ddp_rank(rank, world, port, out_dir):
 
 def test_ddp_of_compiled_module_all_reduces_every_step(tmp_path):
     """DDP(compile(model)) on 2 gloo ranks: every step's gradients are the mean over both ranks'
-    shards; compile(DDP(model)), which would silently keep local gradients, is refused."""
+    shards; compile(DDP(model)), which would silently keep local gradients, is refused; an
+    infeasible budget raises on every rank."""
     spawn_ranks(_ddp_rank, 2, tmp_path, timeout_s=180)
 
 
