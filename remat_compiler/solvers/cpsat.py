@@ -820,6 +820,20 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         warm = min([w for w in (decomposed, composed, tied, heuristic, *known)
                     if w is not None and _complies(w, forced_saved, forbidden_saved)], default=None,
                    key=lambda w: _set_cost_units(cg, w, objective))
+    floor = None
+    if budget_bytes is not None and warm is None and warm_start:
+        # no heuristic plan fits, so the budget may lie below every plan's peak: find that floor
+        # first (on half the time) rather than after a cost search that cannot succeed; it names
+        # the smallest budget at once, or its plan starts the cost search
+        floor = min_feasible_peak(cg, time_limit_s=left(0.5 * time_limit_s), num_workers=num_workers,
+                                  deterministic=deterministic, forced_saved=forced_saved,
+                                  forbidden_saved=forbidden_saved, reruns=reruns)
+        fits = [(S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
+                if reruns and p <= budget_bytes and _complies(S, forced_saved, forbidden_saved)]
+        if floor[0] > budget_bytes and not fits:
+            raise InfeasibleBudgetError(budget_bytes, floor[0], proven=floor[1])
+        if simulate(cg, build_schedule(cg, floor[2])).peak_bytes <= budget_bytes:
+            warm = set(floor[2])
     t_build = time.perf_counter()
     rm = build_model(cg, budget_bytes, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
                      objective=objective)
@@ -870,7 +884,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         # what is left of the time limit (the cost search stops at 80% of it when it finds nothing)
         # goes to the lowest-peak search, less a share for a second cost search from its plan
         search_s = left() * (0.6 if status == cp_model.UNKNOWN else 1.0)
-        min_peak, proven, low, rerun = min_feasible_peak(
+        min_peak, proven, low, rerun = floor or min_feasible_peak(
             cg, time_limit_s=max(MIN_SLICE_S, search_s), num_workers=num_workers,
             deterministic=deterministic, forced_saved=forced_saved, forbidden_saved=forbidden_saved,
             reruns=reruns)
