@@ -823,9 +823,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     floor = None
     if budget_bytes is not None and warm is None and warm_start:
         # no heuristic plan fits, so the budget may lie below every plan's peak: find that floor
-        # first (on half the time) rather than after a cost search that cannot succeed; it names
-        # the smallest budget at once, or its plan starts the cost search
-        floor = min_feasible_peak(cg, time_limit_s=left(0.5 * time_limit_s), num_workers=num_workers,
+        # first (on 85% of the time left) rather than after a cost search that cannot succeed; it
+        # names the smallest budget, or its plan starts the cost search, which gets the rest
+        floor = min_feasible_peak(cg, time_limit_s=0.85 * left(), num_workers=num_workers,
                                   deterministic=deterministic, forced_saved=forced_saved,
                                   forbidden_saved=forbidden_saved, reruns=reruns)
         fits = [(S, R) for S, R, p in _KNOWN_RERUNS.get(cg.fingerprint, ())
