@@ -297,7 +297,8 @@ def main(argv=None) -> int:
     start, stop = (int(s) for s in args.seeds.split(":"))
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    totals = {"models": 0, "skipped": 0, "aot rounding": 0, "runs": 0, "failing models": 0, "failures": 0, "recomputing runs": 0}
+    totals = {"models": 0, "skipped": 0, "aot rounding": 0, "runs": 0, "failing models": 0, "failures": 0,
+              "recomputing runs": 0}
     kinds: dict[str, int] = {}
     for seed in range(start, stop):
         res = check_model(random_model(seed), time_limit_s=args.time_limit)

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
                 plan = solve(cg, budget, "cpsat", time_limit_s=args.time_limit)
                 outcome = f"{plan.status}, peak {plan.peak_bytes}"
             except rc.InfeasibleBudgetError as exc:
-                outcome = f"infeasible: smallest {exc.min_feasible_bytes} ({'proven' if exc.proven else 'not proven'})"
+                proof = "proven" if exc.proven else "not proven"
+                outcome = f"infeasible: smallest {exc.min_feasible_bytes} ({proof})"
             wall = time.perf_counter() - t0
             worst = max(worst, wall - args.time_limit)
             print(f"{name:10} {b:>8} {wall:7.2f} {wall - args.time_limit:+7.2f}  {outcome}", flush=True)

@@ -102,7 +102,8 @@ def replayable_dropout(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         with gm.graph.inserting_before(n):
             state = gm.graph.call_function(torch.ops.remat.rng_state.default, (x,))
-            drop = gm.graph.call_function(torch.ops.remat.dropout_at.default, (x, state, float(p), True, False))
+            drop = gm.graph.call_function(torch.ops.remat.dropout_at.default,
+                                          (x, state, float(p), True, False))
         with fake_mode:
             state.meta["val"] = torch.ops.remat.rng_state.default(val)
         state.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})

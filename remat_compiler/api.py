@@ -35,8 +35,9 @@ from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError, Rema
 from remat_compiler.plan import Plan
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.solvers import get_solver, resolve_budget, solve
-from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, aot_step, flatten_step, is_inplace_after_save,
-                                  mark_mutated_inputs, run_traced, signature_of, trace)
+from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, aot_step, flatten_step,
+                                  is_inplace_after_save, mark_mutated_inputs, run_traced, signature_of,
+                                  trace)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_graph", "PlannedGraph", "analyze", "prepared"]
 
@@ -510,7 +511,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     if isinstance(plan, (str, bytes)):
         plan = Plan.from_json(plan)
     elif plan is not None and not isinstance(plan, Plan):
-        raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got {type(plan).__name__}")
+        raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got "
+                         f"{type(plan).__name__}")
     if policy is not None:
         solver_options["policy"] = policy
     return CompiledModule(model, budget, solver, cost_model, plan, solver_options, hold_outputs)

@@ -92,7 +92,8 @@ def _parse_text(value: str) -> Budget:
         raise ValueError(f"memory_budget={value!r} could not be parsed; expected {_ACCEPTED}")
     number = float(m.group(1))
     if not math.isfinite(number) or number * _UNITS.get(unit or "b", 1) > 2.0 ** 80:
-        raise ValueError(f"memory_budget={value!r} is too large to be a number of bytes; expected {_ACCEPTED}")
+        raise ValueError(f"memory_budget={value!r} is too large to be a number of bytes; "
+                         f"expected {_ACCEPTED}")
     if not unit:
         if 0 < number <= 1 and not m.group(1).isdigit():  # "0.5", "5e-1"; "1" is one byte
             return Budget(fraction=number)
