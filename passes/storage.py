@@ -4,7 +4,8 @@ Writes ``meta["remat.storage"]`` (the name of the node that first produced this 
 alias names its base), ``meta["remat.bytes"]`` (the storage's bytes on the node that owns it, 0 on views,
 aliases and non-tensors) and ``meta["remat.tuple"]`` (a multi-output node; its tensors belong to
 its ``getitem`` users, except outputs nobody takes, whose bytes the multi-output node owns: they
-live until its last ``getitem`` is read). Aliasing is read from the FakeTensors' storage identity, so every view op,
+live until its last ``getitem`` is read; an output its op's ``output_mask`` argument turns off is not
+allocated at all, see :func:`masked_outputs`). Aliasing is read from the FakeTensors' storage identity, so every view op,
 ``detach`` and ``_unsafe_view`` is handled without a list of op names.
 
 A FakeTensor's storage is exactly what its shape needs; a real kernel may allocate more. Scalar
@@ -21,7 +22,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "STORAGE", "BYTES", "TUPLE"]
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "masked_outputs", "STORAGE", "BYTES",
+           "TUPLE"]
 
 STORAGE = "remat.storage"
 BYTES = "remat.bytes"
@@ -56,6 +58,26 @@ def _returns_input(n: fx.Node) -> bool:
     return is_wait(n) and isinstance(n.args[0], fx.Node)
 
 
+def masked_outputs(n: fx.Node) -> set[int]:
+    """Outputs of a multi-output aten op that its ``output_mask`` argument turns off.
+
+    Backward ops such as ``native_batch_norm_backward(..., output_mask)`` return an undefined tensor
+    (no storage) for each output whose mask entry is False, but some of their meta kernels still
+    return a full-size FakeTensor there (BatchNorm's ``grad_input`` when the input needs no gradient),
+    so the traced value would count bytes the real kernel never allocates."""
+    target = n.target
+    if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return set()
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name != "output_mask":
+            continue
+        mask = n.kwargs["output_mask"] if "output_mask" in n.kwargs else \
+            n.args[i] if i < len(n.args) else arg.default_value
+        if isinstance(mask, (list, tuple)) and all(isinstance(m, bool) for m in mask):
+            return {j for j, m in enumerate(mask) if not m}
+    return set()
+
+
 def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
     """Annotate storage ownership and allocated bytes on every node of ``gm``."""
     owner: dict[StorageWeakRef, str] = {}
@@ -78,10 +100,12 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
         elif n.meta[TUPLE]:
             # outputs no getitem takes (e.g. nll_loss's total_weight) live in the tuple until its
             # last getitem is read; they belong to the multi-output node itself
+            # (an output the op's output_mask turns off is not allocated, whatever its fake value)
             taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+            masked = masked_outputs(n)
             loose = 0
             for i, t in enumerate(val):
-                if i in taken or not isinstance(t, torch.Tensor):
+                if i in taken or i in masked or not isinstance(t, torch.Tensor):
                     continue
                 key = StorageWeakRef(t.untyped_storage())
                 if key not in owner:

@@ -16,7 +16,8 @@ implements and this module simulates:
   computing it twice.
 
 Memory is counted per node: each node allocates its output while its inputs are live (a multi-output
-op all the outputs it returns), and a value is freed right after its last reader (as fx's generated
+op all the outputs it returns; recomputed, also those the plan does not take from it, which live only
+while it runs: :func:`recomputed_outputs`), and a value is freed right after its last reader (as fx's generated
 code does). Steps group nodes: forward step ``i`` runs the i-th forward node; backward step ``F + j``
 runs the recomputations the j-th backward node needs and then that node. Every node run also has a
 *time* on one integer axis, which is what the CP-SAT model uses (:func:`bw_time`): forward node ``i``
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import PlanCheckError
 
-__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "bw_time", "rerunnable"]
+__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "bw_time", "rerunnable",
+           "recomputed_outputs"]
 
 
 @dataclass
@@ -138,6 +140,19 @@ def rerunnable(cg: CostGraph, n: str) -> bool:
     a = cg.g.nodes[n]
     return (a["phase"] == "fw" and not a["never_recompute"] and not a["is_tuple"] and a["op"] != "getitem"
             and cg.storage(n) == n and a["bytes"] > 0)
+
+
+def recomputed_outputs(cg: CostGraph, n: str) -> list[str]:
+    """The getitems of multi-output op ``n`` whose storage a recomputation of ``n`` allocates, taken or
+    not: the kernel returns them all at once, and those the plan does not take (saved, held by the
+    caller, or not needed) live in its result for an instant (fx frees the result after its last
+    getitem, which allocates nothing). A getitem that must not be recomputed while its op may be is
+    an output the recomputation does not make (a training BatchNorm's running statistics: codegen
+    recomputes it as ``no_stats``, which returns the first three outputs only)."""
+    nodes = cg.g.nodes
+    return [u for u in cg.g.successors(n)
+            if nodes[u]["op"] == "getitem" and cg.storage(u) == u and nodes[u]["bytes"] > 0
+            and not nodes[u]["never_recompute"]]
 
 
 def build_schedule(cg: CostGraph, saved, rerun=()) -> Schedule:
@@ -324,6 +339,12 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
                 taken = u in recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]
                 if storage_of[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" and taken:
                     alloc(u, kind, step, ev, time)
+            if kind.startswith("rc"):  # and, for an instant, those a recomputation does not take
+                for u in recomputed_outputs(cg, n):
+                    if u not in recomputed:
+                        key = (u, f"{kind}-transient")
+                        intervals[key] = [step, step, ev, ev, time, time]
+                        sizes[key] = nodes[u]["bytes"]
         clock["ev"] = ev + 1
 
     times: list[int] = []

@@ -41,7 +41,8 @@ from ortools.sat.python import cp_model
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
-from remat_compiler.schedule import build_schedule, bw_time, rerunnable, save_all_set, simulate
+from remat_compiler.schedule import (build_schedule, bw_time, recomputed_outputs, rerunnable, save_all_set,
+                                     simulate)
 from remat_compiler.solvers.basic import block_boundary_set
 from remat_compiler.solvers.blockbound import block_bound
 from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
@@ -226,6 +227,20 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
             m.add(start == bw_time(F, st[v], idx[v]))
             intervals.append(m.new_optional_fixed_size_interval_var(start, span, r[v], f"tup_{v}"))
             demands.append(cg.attr(v, "bytes") // unit)
+    for v in M:  # its outputs the plan does not take, allocated while it runs (schedule.recomputed_outputs)
+        if not cg.attr(v, "is_tuple") or cg.attr(v, "never_recompute"):
+            continue
+        for u in recomputed_outputs(cg, v):
+            if u in r:  # taken iff recomputed itself (which implies r[v])
+                present = m.new_bool_var(f"tmp_{u}")
+                m.add_bool_and([r[v], ~r[u]]).only_enforce_if(present)
+                m.add_bool_or([~r[v], r[u], present])
+            else:  # always available in backward (held by the caller): never taken
+                present = r[v]
+            at = m.new_int_var(bw_time(F, 0, idx[v]), bw_time(F, B - 1, idx[v]), f"tmps_{u}")
+            m.add(at == bw_time(F, st[v], idx[v]))
+            intervals.append(m.new_optional_fixed_size_interval_var(at, 1, present, f"tmp_{u}"))
+            demands.append(cg.attr(u, "bytes") // unit)
     fixed_peak = base.peak_bytes
     cap_hi = sum(demands) + 1
     peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
