@@ -276,6 +276,9 @@ def test_ctrl_c_during_the_solve_raises_at_once():
 
     model, inputs, _ = build(n_layer=3, n_embd=64, n_head=2, vocab_size=256, batch=2, seq=64)
     _, cg = rc.analyze(model, (), inputs)
+    # Python's own handler, whatever an earlier solver in this process left (a CP-SAT solver made
+    # with catch_sigint_signal on resets SIGINT to the system default when it is destroyed)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
     timer.start()
@@ -284,6 +287,7 @@ def test_ctrl_c_during_the_solve_raises_at_once():
             solve(cg, 0.5, "cpsat", time_limit_s=30)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - t0 < 5.0  # the solve had 30 s and would have used most of them
 
 
