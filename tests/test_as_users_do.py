@@ -276,8 +276,8 @@ def test_ctrl_c_during_the_solve_raises_at_once():
 
     model, inputs, _ = build(n_layer=3, n_embd=64, n_head=2, vocab_size=256, batch=2, seq=64)
     _, cg = rc.analyze(model, (), inputs)
-    # Python's own handler, whatever an earlier solver in this process left (a CP-SAT solver made
-    # with catch_sigint_signal on resets SIGINT to the system default when it is destroyed)
+    # Python's own handler, whatever an earlier test in this process left installed (run after
+    # test_optimality in one process, this test was once killed by the SIGINT it sends)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()

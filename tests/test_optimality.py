@@ -167,7 +167,7 @@ def test_model_peak_is_the_simulated_peak_for_every_saved_set(seed):
         subset = build_schedule(cg, subset).saved  # what backward reads of it
         rm = build_model(cg, None, minimize="peak", forced_saved=subset,
                          forbidden_saved=[c for c in cg.candidates if c not in subset])
-        solver = new_solver()  # leaves SIGINT to Python (CP-SAT's own handler resets it to SIG_DFL)
+        solver = new_solver()  # as the library's: SIGINT is left to Python
         solver.parameters.num_workers = 2
         assert solver.solve(rm.model) == cp_model.OPTIMAL
         expected = simulate(cg, build_schedule(cg, subset)).peak_bytes
@@ -191,7 +191,7 @@ def test_model_peak_is_exact_on_multi_output_ops_and_dropped_outputs():
         subset = build_schedule(cg, [c for c in cg.candidates if rng.random() < 0.5]).saved
         rm = build_model(cg, None, minimize="peak", forced_saved=subset,
                          forbidden_saved=[c for c in cg.candidates if c not in subset])
-        solver = new_solver()  # leaves SIGINT to Python (CP-SAT's own handler resets it to SIG_DFL)
+        solver = new_solver()  # as the library's: SIGINT is left to Python
         solver.parameters.num_workers = 2
         assert solver.solve(rm.model) == cp_model.OPTIMAL
         assert solver.value(rm.peak) * rm.unit_bytes == simulate(cg, build_schedule(cg, subset)).peak_bytes
