@@ -138,11 +138,9 @@ def _batch_norm_without_stats(graph: fx.Graph, n: fx.Node, env: dict) -> fx.Node
     return out
 
 
-def _batch_norm_stats_unread(gm: fx.GraphModule, bn: list[fx.Node], recomputed: set[str]
-                             ) -> tuple[fx.GraphModule, set[str]]:
+def _batch_norm_stats_unread(gm: fx.GraphModule, bn: list[fx.Node]) -> fx.GraphModule:
     """A copy of ``gm`` whose recomputed training-mode BatchNorms ``bn`` read their input in place of
-    the running statistics (backward runs them as ``no_stats``, which reads none), and the names of
-    the inputs that only those reads needed (backward need not keep them: the forward mutates them)."""
+    the running statistics (backward runs them as ``no_stats``, which reads none)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
@@ -151,16 +149,9 @@ def _batch_norm_stats_unread(gm: fx.GraphModule, bn: list[fx.Node], recomputed: 
     for n in bn:
         copy = env[n]
         copy.args = (*copy.args[:3], copy.args[0], copy.args[0], *copy.args[5:])
-    stats = {a for n in bn for a in n.args[3:5]}
-    bn_set = set(bn)
-
-    def read_in_backward(u: fx.Node) -> bool:
-        return u not in bn_set and (u.meta.get("remat.phase") == "bw" or u.name in recomputed)
-
-    stats_only = {a.name for a in stats if not any(read_in_backward(u) for u in a.users)}
     new = fx.GraphModule(gm, graph)
     new.meta.update(gm.meta)
-    return new, stats_only
+    return new
 
 
 def _forward_saves(fw: fx.GraphModule, num_fwd: int, saved: list[str]) -> None:
@@ -201,16 +192,16 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
         if n not in saved_values:
             saved_values.append(n)
     bn = [names[r] for r in plan.schedule.recomputed if is_training_batch_norm(names[r])]
-    stats_only: set[str] = set()
-    if bn:  # backward recomputes them without their running statistics (see reorder_backward)
-        bw_gm, stats_only = _batch_norm_stats_unread(gm, bn, set(plan.schedule.recomputed))
-    # the plan does not save what only those reads need; this extraction is for the forward alone
-    # (with bn, the backward is extracted from bw_gm below), and gm's BatchNorms still read them
-    stats = [names[a] for a in sorted(stats_only) if names[a] not in saved_values]
+    # the plan saves no running statistics that only those recomputations would read (they are no
+    # edges of the cost graph: ``remat.recompute_unread``); gm's BatchNorms still read them, so this
+    # extraction gets them too, and with bn it is for the forward alone
+    stats = list(dict.fromkeys(names[a] for n in bn for a in n.meta.get("remat.recompute_unread", ())
+                               if names[a] not in saved_values))
     fw, bw = _extract_fwd_bwd_modules(gm, saved_values + stats, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
-    if bn:
+    if bn:  # backward recomputes them without their running statistics (see reorder_backward)
+        bw_gm = _batch_norm_stats_unread(gm, bn)
         bw_names = {n.name: n for n in bw_gm.graph.nodes}
-        keep = [bw_names[n.name] for n in saved_values if n.name not in stats_only]
+        keep = [bw_names[n.name] for n in saved_values]
         _, bw = _extract_fwd_bwd_modules(bw_gm, keep, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
         _forward_saves(fw, num_fwd, [p.name for p in bw.graph.find_nodes(op="placeholder")
                                      if p.meta.get("remat.phase") != "tangent"])
