@@ -99,7 +99,8 @@ def test_gpt2_bound_beats_the_lp_and_its_plan_is_optimal(gpt2):
     assert found.bound > lp_bound(rm) * rm.cost_gcd
     searched = solve_cpsat(cg, budget, time_limit_s=8, objective="flops", block_reuse=False)
     assert found.bound <= searched.extras["cost_units"]
-    plan = solve_cpsat(cg, budget, time_limit_s=15, objective="flops")
+    plan = solve_cpsat(cg, budget, time_limit_s=30, objective="flops")  # the whole call now: the
+    # decomposition gets what the heuristics leave of it (15 s was cut short once under a loaded run)
     assert plan.peak_bytes <= budget
     assert simulate(cg, build_schedule(cg, plan.saved)).peak_bytes <= budget
     assert plan.extras["cost_bound_units"] >= found.bound
