@@ -27,7 +27,7 @@ import torch
 
 import remat_compiler
 from remat_compiler.budget import human_bytes
-from remat_compiler.solvers.cpsat import min_feasible_peak
+from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 from benchmarks.measure import Runner, max_abs_error, measure, round_ratio, time_round_robin
 from benchmarks.strategies import (MOE_STRATEGIES, PYTORCH_BUDGETS, Comm, Skipped, checkpoint_runner,
@@ -152,9 +152,10 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
     (_gm, cg), trace_s = _timed(lambda: remat_compiler.analyze(remat_model, args, kwargs, hold_outputs=False))
     baseline = remat_compiler.solve(cg, None, "save_all").peak_bytes
     solver_opts = dict(time_limit_s=opts.time_limit_s, num_workers=opts.num_workers)
+    memo = SolveMemo()  # one per graph: each budget starts from the plans found before it
     log(f"[{spec.name}] traced in {trace_s:.1f} s; finding the smallest feasible budget")
     (min_peak, proven), min_s = _timed(lambda: comm.on_rank0(
-        lambda: min_feasible_peak(cg, **solver_opts)[:2]))
+        lambda: min_feasible_peak(cg, memo=memo, **solver_opts)[:2]))
     from benchmarks.report import ISSUE_TARGETS
 
     target = ISSUE_TARGETS.get(spec.name, {}).get("flop_target_peak_mib")
@@ -165,7 +166,8 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
             run(Skipped("remat_compiler", setting, "infeasible", note, budget))
             continue
         log(f"[{spec.name}] planning remat_compiler {setting} ({human_bytes(budget)})")
-        run(remat_runner(remat_model, cg, budget, setting, comm, objective=opts.objective, **solver_opts))
+        run(remat_runner(remat_model, cg, budget, setting, comm, objective=opts.objective, memo=memo,
+                         **solver_opts))
 
     live = [p for p in points if p.runner is not None]
     log(f"[{spec.name}] timing {len(live)} runners x {opts.rounds} rounds, interleaved")

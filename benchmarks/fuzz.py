@@ -205,7 +205,7 @@ def check_model(case: FuzzCase, *, time_limit_s: float = 1.0, n_random: int = 2)
     import remat_compiler as rc
     from remat_compiler.memory import LiveStorageTracker
     from remat_compiler.solvers import solve
-    from remat_compiler.solvers.cpsat import min_feasible_peak
+    from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
     res = FuzzResult(case.seed, str(case.dtype).replace("torch.", ""), case.ops)
     exact = case.dtype == torch.float64
@@ -231,7 +231,8 @@ def check_model(case: FuzzCase, *, time_limit_s: float = 1.0, n_random: int = 2)
             torch._dynamo.reset()
     try:
         _, cg = rc.analyze(case.model, (case.x,))
-        smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s)
+        memo = SolveMemo()  # the smallest budget's plan (reruns are searched locally) reaches its compile
+        smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s, memo=memo)
         baseline = solve(cg, None, "save_all").peak_bytes
     except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported with its seed
         res.failures.append(f"seed {case.seed}: planning crashed: {type(exc).__name__}: "
@@ -244,7 +245,7 @@ def check_model(case: FuzzCase, *, time_limit_s: float = 1.0, n_random: int = 2)
     for budget in budgets:
         net = copy.deepcopy(case.model)
         x = case.x.detach().clone().requires_grad_(case.x.requires_grad)
-        m = rc.compile(net, memory_budget=budget, time_limit_s=time_limit_s)
+        m = rc.compile(net, memory_budget=budget, time_limit_s=time_limit_s, memo=memo)
         tag = f"seed {case.seed} budget {budget}"
         try:
             _step(net, m, x)

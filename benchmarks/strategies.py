@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import remat_compiler
 from remat_compiler.check import check_plan
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError, RematError
 from remat_compiler.plan import Plan
 
@@ -173,7 +173,7 @@ def remat_runner(model: nn.Module, cg: CostGraph, budget_bytes: int, setting: st
         Row label (``"@ eager peak"``).
     comm : Comm
     **solver_options :
-        ``time_limit_s``, ``num_workers``.
+        ``time_limit_s``, ``num_workers``, ``objective``, ``memo``.
 
     Returns
     -------

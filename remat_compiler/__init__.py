@@ -4,21 +4,22 @@
 >>> m = remat_compiler.compile(model, memory_budget="1.5GiB")      # doctest: +SKIP
 >>> loss_fn(m(x), y).backward(); print(m.plan.explain())            # doctest: +SKIP
 """
-from remat_compiler.api import CompiledModule, PlannedGraph, analyze, compile, plan_graph, plan_model
+from remat_compiler.api import CompiledModule, PlannedGraph, PlanSpec, analyze, compile, plan_joint, plan_model
 from remat_compiler.budget import Budget, human_bytes, parse_budget
 from remat_compiler.check import check_plan
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.errors import (InfeasibleBudgetError, PlanCheckError, PlanMismatchError, RematError,
                                    UntraceableModelError)
 from remat_compiler.memory import LiveStorageTracker, measure_step_peak
 from remat_compiler import policies
 from remat_compiler.plan import Plan
-from remat_compiler.solvers import SOLVERS, register_solver, solve
+from remat_compiler.solvers import SOLVERS, Strategy, solve
+from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.trace import trace
 
 __all__ = [
-    "compile", "CompiledModule", "plan_model", "plan_graph", "PlannedGraph", "analyze", "trace",
-    "CostGraph", "Plan", "check_plan", "solve", "SOLVERS", "register_solver",
+    "compile", "CompiledModule", "plan_model", "plan_joint", "PlanSpec", "PlannedGraph", "analyze", "trace",
+    "CostGraph", "Plan", "check_plan", "solve", "SOLVERS", "Strategy", "SolveMemo",
     "Budget", "parse_budget", "human_bytes", "LiveStorageTracker", "measure_step_peak",
     "RematError", "InfeasibleBudgetError", "UntraceableModelError", "PlanMismatchError", "PlanCheckError",
     "policies",

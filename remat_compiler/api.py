@@ -1,28 +1,24 @@
-"""The compiler in one flat list of steps, and the module users train with.
+"""The compiler, and the module users train with.
 
-::
+The compiler is :func:`plan_joint`, one step per line, run on the joint forward+backward graph that
+tracing captured: by :func:`compile` inside AOTAutograd's partitioner (once per input signature),
+and by :func:`plan_model` / the CLI after :func:`remat_compiler.trace.trace`::
 
-    gm = trace(model, args)                              # joint fwd+bwd aten graph (AOTAutograd)
-    gm = run_passes(gm, num_fwd_outputs=...)             # phases, storage, costs, blocks, MoE tags
-    cg = CostGraph.from_graph_module(gm)                 # networkx graph with bytes / FLOPs / runtime
-    plan = solve(cg, budget, solver)                     # CP-SAT or a hand-picked strategy
-    check_plan(cg, plan)                                 # independent liveness simulation
-    fw, bw = emit(gm, plan)                              # forward / backward GraphModules
-
-:func:`compile` runs the same steps inside AOTAutograd's partitioner, once per input signature.
+    gm, cg = annotate(joint, num_fwd_outputs, cost_model)   # passes; networkx graph with bytes / FLOPs / runtime
+    plan = decide(cg, spec)                                 # CP-SAT, a hand-picked strategy, or a given plan
+    sim = check_plan(cg, plan)                              # the plan's claims against its graph
+    fw, bw = emit(gm, plan)                                 # forward / backward GraphModules
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import threading
+import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Mapping
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -30,81 +26,159 @@ from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.check import check_plan
 from remat_compiler.codegen import emit
-from remat_compiler.costgraph import CostGraph
-from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError, RematError
+from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
+from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 from remat_compiler.policies import Policy, apply_policy
-from remat_compiler.solvers import get_solver, resolve_budget, solve
-from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, aot_step, flatten_step,
-                                  is_inplace_after_save, mark_mutated_inputs, run_traced, signature_of,
-                                  trace)
+from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
+                                    plan_on_rank0)
+from remat_compiler.schedule import SimResult
+from remat_compiler.solvers import Strategy, get_solver, resolve_budget
+from remat_compiler.solvers.cpsat import SolveMemo
+from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, annotate_joint, aot_step, flatten_step,
+                                  is_inplace_after_save, run_traced, signature_of, trace)
 
-__all__ = ["compile", "CompiledModule", "plan_model", "plan_graph", "PlannedGraph", "analyze", "prepared"]
+__all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
+           "PlannedGraph"]
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What to plan for, decided once by :func:`compile` or :func:`plan_model`.
+
+    Attributes
+    ----------
+    budget : Budget
+    strategy : Strategy
+        The solver (:data:`remat_compiler.solvers.SOLVERS`).
+    options : mapping
+        The solver's options (checked against what it takes).
+    policy : callable, optional
+        Hard decisions for a solver that accepts a policy.
+    cost_model : passes.CostModel, optional
+    plan : Plan, optional
+        Apply this plan instead of solving.
+    """
+
+    budget: Budget
+    strategy: Strategy
+    options: Mapping = field(default_factory=dict)
+    policy: Policy | None = None
+    cost_model: CostModel | None = None
+    plan: Plan | None = None
+
+    @classmethod
+    def make(cls, memory_budget, solver, options: Mapping, *, policy: Policy | None = None,
+             cost_model: CostModel | None = None, plan: Plan | str | bytes | None = None) -> "PlanSpec":
+        """Parse and check everything a plan needs before any tracing.
+
+        Raises
+        ------
+        ValueError
+            For a budget that is not one of the accepted forms, an unknown solver, an option it does
+            not take, a time limit that is not positive, a policy for a solver that takes none, or a
+            ``plan`` that is not a plan.
+        """
+        strategy = get_solver(solver)
+        strategy.check_options(options)
+        check_time_limit(options.get("time_limit_s"))
+        if policy is not None and not strategy.accepts_policy:
+            raise ValueError(f"a policy constrains CP-SAT; solver {strategy.name!r} takes no forced saves "
+                             f"(use solver='cpsat')")
+        if isinstance(plan, (str, bytes)):
+            plan = Plan.from_json(plan)
+        elif plan is not None and not isinstance(plan, Plan):
+            raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got "
+                             f"{type(plan).__name__}")
+        return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan)
 
 
 @dataclass
 class PlannedGraph:
-    """Every intermediate of the pipeline, for inspection and dumps."""
+    """Every intermediate of the pipeline, for inspection and dumps, and how long each step took."""
 
     gm: fx.GraphModule
     cg: CostGraph
     plan: Plan
-    sim: Any = None
+    sim: SimResult
+    fw: fx.GraphModule | None = None
+    bw: fx.GraphModule | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
-def prepared(model: torch.nn.Module, solver) -> contextlib.AbstractContextManager:
-    """The solver's model preparation for tracing, if it has one (``solver.prepare_model(model)``).
+def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
+               memo: SolveMemo | None = None) -> PlannedGraph:
+    """The compiler: plan a traced joint graph (``joint``, its first ``num_fwd_outputs`` outputs the
+    forward's) under ``spec`` and emit its forward and backward.
 
-    A strategy that needs a different traced graph (the MoE custom backward traces the fused combine)
-    provides ``prepare_model``, a context manager active while the step is traced.
+    Raises
+    ------
+    InfeasibleBudgetError, PlanMismatchError, PlanCheckError
     """
-    prepare = getattr(get_solver(solver), "prepare_model", None)
-    return prepare(model) if prepare is not None else contextlib.nullcontext()
+    spent: dict[str, float] = {}
+    with _timed(spent, "annotate"):
+        gm, cg = annotate(joint, num_fwd_outputs, spec.cost_model)
+    with _timed(spent, "solve"):
+        plan = decide(cg, spec, memo=memo)
+    with _timed(spent, "check"):
+        sim = check_plan(cg, plan)
+    with _timed(spent, "emit"):
+        fw, bw = emit(gm, plan)
+    return PlannedGraph(gm, cg, plan, sim, fw, bw, spent)
+
+
+def annotate(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None
+             ) -> tuple[fx.GraphModule, CostGraph]:
+    """The passes over a traced joint graph, and its cost graph."""
+    gm = run_passes(joint, num_fwd_outputs=num_fwd_outputs, cost_model=cost_model)
+    return gm, CostGraph.from_graph_module(gm)
+
+
+def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> Plan:
+    """The plan for ``cg``: the given one (if it is for this graph and fits the budget), else the
+    strategy's, made on rank 0 alone under torch.distributed."""
+    if spec.plan is not None:
+        spec.plan.check_applies_to(cg)
+        budget_bytes = resolve_budget(cg, spec.budget)
+        if budget_bytes is not None and spec.plan.peak_bytes > budget_bytes:
+            raise PlanMismatchError(
+                f"the plan given peaks at {spec.plan.peak_bytes} bytes, above memory_budget "
+                f"{budget_bytes} bytes: pass a larger budget, or leave plan= out to re-plan under this one")
+        return spec.plan
+    options = dict(spec.options)
+    if spec.policy is not None:
+        options["forced_saved"], options["forbidden_saved"] = apply_policy(cg, spec.policy)
+    if memo is not None and spec.strategy.options is not None and "memo" in spec.strategy.options \
+            and not options.get("deterministic"):
+        options.setdefault("memo", memo)
+
+    def solve() -> Plan:
+        return spec.strategy.solve(cg, resolve_budget(cg, spec.budget), **options)
+    return plan_on_rank0(solve) if distributed() else solve()
 
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             cost_model: CostModel | None = None, solver="cpsat",
             hold_outputs: bool = True) -> tuple[fx.GraphModule, CostGraph]:
-    """Trace and annotate a model's step: the first three pipeline steps (``hold_outputs``: see
-    :func:`compile`)."""
-    with prepared(model, solver):
-        traced = trace(model, args, kwargs, loss_only=not hold_outputs)
-    gm = run_passes(traced.joint, num_fwd_outputs=traced.num_fwd_outputs, cost_model=cost_model)
-    return gm, CostGraph.from_graph_module(gm, hold_outputs=hold_outputs)
-
-
-def plan_graph(gm: fx.GraphModule, cg: CostGraph, memory_budget=None, *,
-               solver: str | Callable[..., Plan] = "cpsat", policy: Policy | None = None,
-               **solver_options) -> PlannedGraph:
-    """Solve and check a plan for an analysed graph: the pipeline's ``solve`` and ``check_plan``.
-
-    ``policy`` (:mod:`remat_compiler.policies`) turns into the solver's ``forced_saved`` and
-    ``forbidden_saved``; a solver that takes neither raises ValueError.
-    """
-    if policy is not None:
-        if "forced_saved" not in inspect.signature(get_solver(solver)).parameters:
-            raise ValueError(f"a policy constrains CP-SAT; solver {solver!r} takes no forced saves "
-                             f"(use solver='cpsat')")
-        solver_options["forced_saved"], solver_options["forbidden_saved"] = apply_policy(cg, policy)
-    plan = solve(cg, memory_budget, solver, **solver_options)
-    sim = check_plan(cg, plan)
-    return PlannedGraph(gm=gm, cg=cg, plan=plan, sim=sim)
+    """Trace a model's step as ``solver`` traces it and annotate it (``hold_outputs``: see
+    :func:`compile`): the graph and cost graph a plan is made for."""
+    with get_solver(solver).prepared(model):
+        traced = trace(model, args, kwargs, hold_outputs=hold_outputs)
+    return annotate(traced.joint, traced.num_fwd_outputs, cost_model)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, memory_budget=None, *,
-               solver: str | Callable[..., Plan] = "cpsat", cost_model: CostModel | None = None,
-               hold_outputs: bool = True, **solver_options) -> PlannedGraph:
+               solver: str | Callable[..., Plan] | Strategy = "cpsat", cost_model: CostModel | None = None,
+               hold_outputs: bool = True, policy: Policy | None = None, plan: Plan | str | None = None,
+               **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
     ----------
     model, args, kwargs :
         The model and an example call (only shapes and dtypes matter).
-    memory_budget :
-        Bytes, a unit string, a fraction of the no-recompute peak, or None.
-    solver :
-        A solver name (``"cpsat"``, ``"save_all"``, ``"checkpoint_blocks"``, MoE strategies) or a
-        callable ``solve(cost_graph, budget_bytes, **opts) -> Plan``.
+    memory_budget, solver, cost_model, hold_outputs, policy, plan, **solver_options :
+        As :func:`compile` takes them.
 
     Returns
     -------
@@ -112,13 +186,26 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
 
     Raises
     ------
-    ValueError, InfeasibleBudgetError, UntraceableModelError
+    ValueError, InfeasibleBudgetError, UntraceableModelError, PlanMismatchError
     """
-    parse_budget(memory_budget)
-    get_solver(solver)
-    check_time_limit(solver_options.get("time_limit_s"))
-    gm, cg = analyze(model, args, kwargs, cost_model=cost_model, solver=solver, hold_outputs=hold_outputs)
-    return plan_graph(gm, cg, memory_budget, solver=solver, **solver_options)
+    spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
+                         plan=plan)
+    spent: dict[str, float] = {}
+    with _timed(spent, "trace"), spec.strategy.prepared(model):
+        traced = trace(model, args, kwargs, hold_outputs=hold_outputs)
+    planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
+    planned.timings = {**spent, **planned.timings}
+    return planned
+
+
+@contextlib.contextmanager
+def _timed(spent: dict[str, float], step: str):
+    """Record the wall seconds a step takes in ``spent[step]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent[step] = time.perf_counter() - t0
 
 
 @dataclass
@@ -127,86 +214,13 @@ class _Entry:
     fn: Callable
     planned: PlannedGraph | None = None
     calls: int = 0
-    extras: dict = field(default_factory=dict)
-    grad_deps: list | None = None     # per flat input: the tangents its gradient reads (see _GradGate)
+    grad_deps: list | None = None     # per flat input: the tangents its gradient reads (see GradGate)
     gate: bool = True                 # whether calls need the gate (decided once the graph is known)
 
 
 # One trace at a time in this process: a trace swaps the model's parameters for the trace's tensors
 # (functional_call) and sets torch.compiler's process-wide "compiling" flag; two at once corrupt both.
 _TRACE_LOCK = threading.RLock()
-
-
-class _GradRecord:
-    """Which of a call's outputs backward reached: filled by hooks on the outputs, read by the gate."""
-
-    def __init__(self, entry: _Entry):
-        self.entry = entry
-        self.reached: set[int] = set()
-
-    def hook(self, i: int) -> Callable:
-        def mark(grad):
-            if grad is not None:  # autograd calls the hooks of unreached outputs with None
-                self.reached.add(i)
-        return mark
-
-
-class _GradGate(torch.autograd.Function):
-    """Identity on the inputs that require grad; in backward, None for each input whose gradient
-    reads only outputs backward never reached, as in eager (AOTAutograd's backward gets zeros for
-    unused outputs and would hand back zero gradients where eager leaves ``.grad`` None)."""
-
-    @staticmethod
-    def forward(ctx, record, positions, *tensors):
-        ctx.set_materialize_grads(False)  # an input backward gives no gradient stays None
-        ctx.record, ctx.positions = record, positions
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        deps, reached = ctx.record.entry.grad_deps, ctx.record.reached
-        out = []
-        for pos, g in zip(ctx.positions, grads):
-            d = deps[pos] if deps is not None and pos < len(deps) else None
-            out.append(None if g is None or (d is not None and not (d & reached)) else g)
-        return (None, None, *out)
-
-
-def _grad_deps(planned: PlannedGraph) -> list | None:
-    """For each flat input, the indices of the tangents its gradient depends on (None: no gradient)."""
-    cg = planned.cg
-    tangents = {t: i for i, t in enumerate(cg.tangents)}
-    deps = []
-    for o in cg.bw_outputs:
-        if o is None:
-            deps.append(None)
-            continue
-        deps.append(frozenset(tangents[a] for a in nx.ancestors(cg.g, o) | {o} if a in tangents))
-    return deps
-
-
-class _ForwardWithSignature:
-    """``CompiledModule.forward``: on an instance, the compiled step with the original ``forward``'s
-    signature (HF ``Trainer`` reads it to pick the dataset columns the model takes); on the class,
-    the plain step function."""
-
-    def __get__(self, obj, objtype=None) -> Callable:
-        if obj is None:
-            return objtype._step
-        fn = obj.__dict__.get("_forward_with_signature")
-        if fn is None or fn.owner() is not obj:  # (a copy made without __getstate__ has the original's)
-            step = obj._step
-
-            def fn(*args, **kwargs):
-                return step(*args, **kwargs)
-            fn.owner = weakref.ref(obj)
-            try:
-                fn.__signature__ = inspect.signature(obj._orig_mod.forward)
-            except (TypeError, ValueError):  # a forward without a signature (a builtin)
-                pass
-            fn.__doc__ = obj._orig_mod.forward.__doc__
-            obj.__dict__["_forward_with_signature"] = fn
-        return fn
 
 
 class CompiledModule(torch.nn.Module):
@@ -218,16 +232,12 @@ class CompiledModule(torch.nn.Module):
     ``plan`` is the plan of the last call. In ``eval()`` or without grad, the model runs as is.
     """
 
-    def __init__(self, model: torch.nn.Module, budget: Budget, solver, cost_model: CostModel | None,
-                 plan: Plan | None, solver_options: dict, hold_outputs: bool = True):
+    def __init__(self, model: torch.nn.Module, spec: PlanSpec, hold_outputs: bool = True):
         super().__init__()
-        self._hold_outputs = hold_outputs
         self._orig_mod = model
-        self._budget = budget
-        self._solver = solver
-        self._cost_model = cost_model
-        self._fixed_plan = plan
-        self._solver_options = solver_options
+        self._spec = spec
+        self._hold_outputs = hold_outputs
+        self._memo = SolveMemo()  # plans met on this module's graphs, for its later solves
         self._entries: dict[tuple, _Entry] = {}
         self._failures: dict[tuple, InfeasibleBudgetError] = {}
         self.plan: Plan | None = None
@@ -259,7 +269,7 @@ class CompiledModule(torch.nn.Module):
         # the per-signature entries hold AOTAutograd's compiled functions, which do not pickle: a
         # loaded module traces and plans again on its first call (a fixed plan= is kept)
         state = self.__dict__.copy()
-        state["_entries"], state["_failures"] = {}, {}
+        state["_entries"], state["_failures"], state["_memo"] = {}, {}, SolveMemo()
         state.pop("_forward_with_signature", None)
         state["plan"] = state["planned"] = None
         return state
@@ -269,30 +279,14 @@ class CompiledModule(torch.nn.Module):
 
     def _partition(self, entry: _Entry):
         def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
-            joint = mark_mutated_inputs(joint, entry.step)
-            gm = run_passes(joint, num_fwd_outputs=num_fwd_outputs, cost_model=self._cost_model)
-            cg = CostGraph.from_graph_module(gm, hold_outputs=self._hold_outputs)
-            if self._fixed_plan is not None:
-                self._fixed_plan.check_applies_to(cg)
-                plan = self._fixed_plan
-                planned = PlannedGraph(gm, cg, plan, check_plan(cg, plan))
-                budget_bytes = resolve_budget(cg, self._budget)
-                if budget_bytes is not None and planned.sim.peak_bytes > budget_bytes:
-                    raise PlanMismatchError(
-                        f"the plan given peaks at {planned.sim.peak_bytes} bytes, above memory_budget "
-                        f"{budget_bytes} bytes: pass a larger budget, or leave plan= out to re-plan "
-                        f"under this one")
-            elif _distributed():
-                planned = _plan_on_rank0(gm, cg, lambda: plan_graph(
-                    gm, cg, self._budget, solver=self._solver, **self._solver_options))
-            else:
-                planned = plan_graph(gm, cg, self._budget, solver=self._solver, **self._solver_options)
+            planned = plan_joint(annotate_joint(joint, entry.step), num_fwd_outputs, self._spec,
+                                 memo=self._memo)
             entry.planned = planned
-            entry.grad_deps = _grad_deps(planned)
-            return emit(gm, planned.plan)
+            entry.grad_deps = grad_deps(planned.cg)
+            return planned.fw, planned.bw
         return partition
 
-    forward = _ForwardWithSignature()
+    forward = ForwardWithSignature()
 
     @torch._dynamo.disable  # torch.compile around this module runs the plan as emitted (no graph)
     def _step(self, *args, **kwargs):
@@ -302,7 +296,7 @@ class CompiledModule(torch.nn.Module):
         if key in self._failures:  # an infeasible budget for this signature: the same answer, at once
             raise self._failures[key]
         entry = self._entries.get(key)
-        step, flat = flatten_step(self._orig_mod, args, kwargs, loss_only=not self._hold_outputs)
+        step, flat = flatten_step(self._orig_mod, args, kwargs, hold_outputs=self._hold_outputs)
         if entry is None:
             with _TRACE_LOCK:
                 entry = self._entries.get(key)
@@ -314,20 +308,20 @@ class CompiledModule(torch.nn.Module):
     def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor]):
         entry = _Entry(step=step, fn=None)
         entry.fn = aot_step(step, self._partition(entry))
-        record = _GradRecord(entry)
+        record = GradRecord(entry)
         inputs, positions = self._gated(record, step.state_tensors() + flat)
         try:
             try:
-                with prepared(self._orig_mod, self._solver):
+                with self._spec.strategy.prepared(self._orig_mod):
                     out = run_traced(entry.fn, self._orig_mod, inputs)
             except RuntimeError as exc:
                 # backward through an extra output reads a value the forward then mutated in place:
                 # eager only fails if the caller backpropagates through it, so plan the loss alone
-                if not is_inplace_after_save(exc) or step.loss_only:
+                if not is_inplace_after_save(exc) or step.loss_only_reason is not None:
                     raise
-                step.loss_only, step.loss_only_reason = True, INPLACE_AFTER_SAVE
+                step.loss_only_reason = INPLACE_AFTER_SAVE
                 entry.fn = aot_step(step, self._partition(entry))
-                with prepared(self._orig_mod, self._solver):
+                with self._spec.strategy.prepared(self._orig_mod):
                     out = run_traced(entry.fn, self._orig_mod, inputs)
         except InfeasibleBudgetError as exc:
             self._failures[key] = exc
@@ -348,18 +342,18 @@ class CompiledModule(torch.nn.Module):
                 entry.grad_deps = None  # the gate passes every gradient through
         return self._finish(entry, self._watch(record, out))
 
-    def _gated(self, record: _GradRecord, inputs: list[torch.Tensor]):
+    def _gated(self, record: GradRecord, inputs: list[torch.Tensor]):
         positions = tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad)
         if not positions:
             return inputs, positions
-        gated = _GradGate.apply(record, positions, *(inputs[i] for i in positions))
+        gated = GradGate.apply(record, positions, *(inputs[i] for i in positions))
         inputs = list(inputs)
         for i, t in zip(positions, gated):
             inputs[i] = t
         return inputs, positions
 
     @staticmethod
-    def _watch(record: _GradRecord, out):
+    def _watch(record: GradRecord, out):
         k = 0
         for o in out:
             if isinstance(o, torch.Tensor) and o.requires_grad:
@@ -369,7 +363,7 @@ class CompiledModule(torch.nn.Module):
 
     def _call(self, entry: _Entry, inputs: list[torch.Tensor], gate: bool):
         if gate:
-            record = _GradRecord(entry)
+            record = GradRecord(entry)
             inputs, _ = self._gated(record, inputs)
             out = self._watch(record, entry.fn(*inputs))
         else:
@@ -381,47 +375,6 @@ class CompiledModule(torch.nn.Module):
         self.planned = entry.planned
         self.plan = entry.planned.plan if entry.planned is not None else None
         return entry.step.unflatten_outputs(out)
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _plan_on_rank0(gm: fx.GraphModule, cg: CostGraph, make_plan: Callable[[], PlannedGraph]) -> PlannedGraph:
-    """Under torch.distributed every rank runs rank 0's plan (a differing plan deadlocks collectives):
-    rank 0 solves and broadcasts the plan, or the error it met, which every rank then raises (a rank
-    that failed alone would leave the others waiting in the broadcast)."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    planned, payload = None, [None]
-    if dist.get_rank() == 0:
-        try:
-            planned = make_plan()
-            payload = [("plan", planned.plan.to_json())]
-        except InfeasibleBudgetError as exc:
-            payload = [("infeasible", exc.budget_bytes, exc.min_feasible_bytes, exc.proven, str(exc))]
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
-            payload = [("error", f"{type(exc).__name__}: {exc}")]
-            failure = exc
-    with unset_fake_temporarily():  # planning runs inside AOTAutograd's fake mode; the broadcast is real
-        dist.broadcast_object_list(payload, src=0)
-    kind, *rest = payload[0]
-    if kind == "infeasible":
-        budget, smallest, proven, message = rest
-        exc = InfeasibleBudgetError(budget, smallest, proven=proven)
-        exc.args = (message,)
-        raise exc
-    if kind == "error":
-        if dist.get_rank() == 0:
-            raise failure
-        raise RematError(f"rank 0 could not plan this step: {rest[0]}")
-    if planned is None:
-        plan = Plan.from_json(rest[0])
-        planned = PlannedGraph(gm, cg, plan, check_plan(cg, plan))
-    return planned
 
 
 def check_time_limit(time_limit_s) -> None:
@@ -450,8 +403,8 @@ def _check_wrapper(model: torch.nn.Module) -> None:
             "Inductor is the compiled-speed work, not yet available")
 
 
-def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] = "cpsat",
-            cost_model: CostModel | None = None, plan: Plan | None = None, hold_outputs: bool = True,
+def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",
+            cost_model: CostModel | None = None, plan: Plan | str | None = None, hold_outputs: bool = True,
             policy: Policy | None = None, **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
@@ -463,8 +416,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         optimizer state excluded; activations, recomputed values, gradients included): an int of
         bytes, a unit string (``"1.5GiB"``), a fraction in (0, 1] of the no-recompute peak, or None
         (no limit: the no-recompute plan).
-    solver : str | callable
-        ``"cpsat"`` (default), ``"save_all"``, ``"checkpoint_blocks"``, an MoE strategy, or a callable
+    solver : str | callable | Strategy
+        ``"cpsat"`` (default), ``"greedy"``, ``"save_all"``, ``"checkpoint_blocks"``, an MoE strategy
+        (:data:`remat_compiler.solvers.SOLVERS`), or a callable
         ``solve(cost_graph, budget_bytes, **opts) -> Plan``.
     cost_model : passes.CostModel, optional
         Compute rate and bandwidths for the runtime estimate.
@@ -484,7 +438,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         them raises), so no zero gradient the size of the logits is made for them. If a caller
         that said False holds them anyway, the step peaks above the plan by up to their size.
     **solver_options :
-        Passed to the solver (``time_limit_s``, ``num_workers``...).
+        The solver's options (CP-SAT: ``time_limit_s`` for the whole solve, ``num_workers``,
+        ``deterministic``, ``objective``...; a hand-picked strategy takes none).
 
     Returns
     -------
@@ -493,26 +448,18 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     Raises
     ------
     ValueError
-        For a budget that is not one of the accepted forms, an unknown solver, a time limit that
-        is not positive, a ``plan`` that is not a plan, or a wrapper that cannot be compiled
-        (``DDP(model)``: compile first, then wrap; ``torch.compile(model)``: pass the model).
+        For a budget that is not one of the accepted forms, an unknown solver or an option it does
+        not take, a time limit that is not positive, a ``plan`` that is not a plan, or a wrapper
+        that cannot be compiled (``DDP(model)``: compile first, then wrap; ``torch.compile(model)``:
+        pass the model).
 
     Example
     -------
     >>> m = remat_compiler.compile(model, memory_budget="1.5GiB")   # doctest: +SKIP
     >>> loss_fn(m(x), y).backward(); print(m.plan.explain())         # doctest: +SKIP
     """
-    budget = parse_budget(memory_budget)
-    get_solver(solver)
-    check_time_limit(solver_options.get("time_limit_s"))
+    spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model, plan=plan)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
     _check_wrapper(model)
-    if isinstance(plan, (str, bytes)):
-        plan = Plan.from_json(plan)
-    elif plan is not None and not isinstance(plan, Plan):
-        raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got "
-                         f"{type(plan).__name__}")
-    if policy is not None:
-        solver_options["policy"] = policy
-    return CompiledModule(model, budget, solver, cost_model, plan, solver_options, hold_outputs)
+    return CompiledModule(model, spec, hold_outputs)

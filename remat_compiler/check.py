@@ -1,7 +1,7 @@
 """check_plan: re-derive a plan's schedule, simulate it independently, and reject what does not fit."""
 from __future__ import annotations
 
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import SimResult, build_schedule, simulate

@@ -21,147 +21,30 @@ names the smallest feasible budget); 1 anything else. Every failure prints one l
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
-import tempfile
-import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
 
 import click
 
-from remat_compiler.api import PlannedGraph, analyze, plan_graph
-from remat_compiler.budget import human_bytes, parse_budget
-from remat_compiler.check import check_plan
+from remat_compiler.api import PlannedGraph, analyze, plan_model
+from remat_compiler.budget import human_bytes
+from remat_compiler.cli_params import (BUDGET, check_budget_list, check_solver, check_solver_list, factory_args,
+                                       writable)
+from remat_compiler.console import PROG, Console, format_progress, timed
 from remat_compiler.compare import common_budget_bytes, eager_reference, format_compare_table, run_strategy
 from remat_compiler.errors import InfeasibleBudgetError, PlanCheckError, PlanMismatchError, RematError
 from remat_compiler.plan import Plan, atomic_write_text
 from remat_compiler.solvers import get_solver, solve
-from remat_compiler.sweep import format_pareto_table, options_for, strategy_points, sweep_budgets
+from remat_compiler.sweep import format_pareto_table, strategy_points, sweep_budgets
 from remat_compiler.viz import plan_to_dot, plot_pareto, plot_timeline
-from remat_compiler.workload import FactoryError, Workload, load_workload, parse_factory_args
+from remat_compiler.workload import FactoryError, Workload, load_workload
 
-__all__ = ["main", "cli", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INFEASIBLE"]
+__all__ = ["main", "cli", "format_progress", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INFEASIBLE"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
-PROG = "remat-compiler"
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 DEMO_FACTORY = EXAMPLES_DIR / "demo.py"
-
-
-# ---------------------------------------------------------------------------- console
-@dataclass
-class Console:
-    """Where messages go: notes and progress on stderr, silenced by ``--quiet``; details by ``--verbose``."""
-
-    quiet: bool = False
-    verbose: bool = False
-
-    def note(self, message: str) -> None:
-        """A short note on stderr (what was written where), unless quiet."""
-        if not self.quiet:
-            click.echo(message, err=True)
-
-    def detail(self, message: str) -> None:
-        """A diagnostic line on stderr, only with --verbose."""
-        if self.verbose:
-            click.echo(f"[{PROG}] {message}", err=True)
-
-    def shows_progress(self) -> bool:
-        """Progress is drawn only on a terminal, and not with --quiet."""
-        return not self.quiet and sys.stderr.isatty()
-
-    def progress_callback(self, label: str) -> Callable[[dict], None] | None:
-        """A solver ``progress`` callback that redraws one stderr line, or None when not shown."""
-        if not self.shows_progress():
-            return None
-        return lambda info: click.echo("\r\033[K" + format_progress(label, info), err=True, nl=False)
-
-    def clear_progress(self) -> None:
-        if self.shows_progress():
-            click.echo("\r\033[K", err=True, nl=False)
-
-    @contextlib.contextmanager
-    def progress(self, label: str) -> Iterator[Callable[[dict], None] | None]:
-        """The progress callback for one solve, with the line cleared afterwards."""
-        try:
-            yield self.progress_callback(label)
-        finally:
-            self.clear_progress()
-
-
-def format_progress(label: str, info: dict) -> str:
-    """One progress line from a CP-SAT report ``{elapsed_s, objective, bound, gap}``.
-
-    Example
-    -------
-    >>> format_progress("cpsat", {"elapsed_s": 1.5, "objective": 1200, "bound": 1000, "gap": 0.2})
-    'cpsat: 1.5 s, best cost 1,200, bound 1,000, gap 20.0%'
-    """
-    return (f"{label}: {info['elapsed_s']:.1f} s, best cost {info['objective']:,.0f}, "
-            f"bound {info['bound']:,.0f}, gap {info['gap']:.1%}")
-
-
-@contextlib.contextmanager
-def timed(console: Console, what: str) -> Iterator[None]:
-    """Log how long a pipeline step took (with --verbose)."""
-    t0 = time.perf_counter()
-    yield
-    console.detail(f"{what}: {time.perf_counter() - t0:.2f} s")
-
-
-# ---------------------------------------------------------------------------- argument types
-class BudgetType(click.ParamType):
-    """A memory budget as :func:`remat_compiler.parse_budget` accepts it; the string is kept as given."""
-
-    name = "BUDGET"
-
-    def convert(self, value: Any, param, ctx) -> str:
-        try:
-            parse_budget(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-        return str(value).strip()
-
-
-BUDGET = BudgetType()
-
-
-def _check_solver(ctx, param, value: str | None) -> str | None:
-    if value is not None:
-        try:
-            get_solver(value)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
-    return value
-
-
-def _check_solver_list(ctx, param, value: str | None) -> list[str] | None:
-    if value is None:
-        return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    if not names:
-        raise click.BadParameter("give at least one name", ctx=ctx, param=param)
-    for name in names:
-        _check_solver(ctx, param, name)
-    return names
-
-
-def _check_budget_list(ctx, param, value: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise click.BadParameter("give at least one budget", ctx=ctx, param=param)
-    return [BUDGET.convert(v, param, ctx) for v in items]
-
-
-def _factory_args(ctx, param, value) -> dict:
-    try:
-        return parse_factory_args(value)
-    except FactoryError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
 def _load_workload(spec: str, factory_kwargs: dict, console: Console) -> Workload:
@@ -175,25 +58,37 @@ def _load_workload(spec: str, factory_kwargs: dict, console: Console) -> Workloa
 
 factory_argument = click.argument("factory", metavar="MODULE:FACTORY")
 factory_args_option = click.option(
-    "--arg", "factory_kwargs", multiple=True, metavar="KEY=VALUE", callback=_factory_args,
+    "--arg", "factory_kwargs", multiple=True, metavar="KEY=VALUE", callback=factory_args,
     help="Keyword argument for the factory (repeatable); VALUE is a Python literal or a string.")
 time_limit_option = click.option(
     "--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True), default=None,
-    metavar="S", help="Solver time limit per solve, in seconds (solvers that take one).")
+    metavar="S", help="Time limit of each solve, in seconds, for solvers that take one: the whole solve "
+                      "(warm start, searches, and for an infeasible budget the search for the smallest "
+                      "feasible one). Default: the solver's (30 s for cpsat and greedy).")
+drop_outputs_option = click.option(
+    "--drop-outputs", is_flag=True,
+    help="Plan for a step that keeps only the scalar loss through backward (model(x).loss.backward()), "
+         "which is the only output backward runs from; default: the caller holds every output.")
 
 
 # ---------------------------------------------------------------------------- pipeline helpers
 def _solve(console: Console, workload: Workload, budget: str | None, solver: str,
            time_limit_s: float | None, *, hold_outputs: bool = True,
            objective: str | None = None) -> PlannedGraph:
-    """Trace, solve and check (the pipeline's first steps), with progress and step timings."""
-    with timed(console, "trace and annotate"):
-        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver,
-                         hold_outputs=hold_outputs)
-    console.detail(f"graph {cg.fingerprint}: {cg.summary()}")
-    with console.progress(solver) as progress, timed(console, f"solve with {solver} and check"):
-        opts = options_for(solver, time_limit_s=time_limit_s, progress=progress, objective=objective)
-        return plan_graph(gm, cg, budget, solver=solver, **opts)
+    """The pipeline on the workload's step, with progress and step timings."""
+    with console.progress(solver) as progress:
+        opts = get_solver(solver).options_in({"time_limit_s": time_limit_s, "progress": progress,
+                                              "objective": objective})
+        planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=solver,
+                             hold_outputs=hold_outputs, **opts)
+    _report_steps(console, planned)
+    return planned
+
+
+def _report_steps(console: Console, planned: PlannedGraph) -> None:
+    console.detail(f"graph {planned.cg.fingerprint}: {planned.cg.summary()}")
+    for step, seconds in planned.timings.items():
+        console.detail(f"{step}: {seconds:.2f} s")
 
 
 def _apply_saved_plan(console: Console, workload: Workload, path: str, hold_outputs: bool = True
@@ -206,20 +101,17 @@ def _apply_saved_plan(console: Console, workload: Workload, path: str, hold_outp
         # from_json raises ValueError for what it detects; the others are malformed documents
         raise click.BadParameter(f"{path} is not a valid plan file: {type(exc).__name__}: {exc}",
                                  param_hint="--load") from exc
-    with timed(console, "trace and annotate"):
-        gm, cg = analyze(workload.model, workload.args, workload.kwargs, solver=plan.solver,
-                         hold_outputs=hold_outputs)
     try:
-        plan.check_applies_to(cg)
+        planned = plan_model(workload.model, workload.args, workload.kwargs, solver=plan.solver, plan=plan,
+                             hold_outputs=hold_outputs)
     except PlanMismatchError as exc:
         raise click.BadParameter(f"{path}: {exc}", param_hint="--load") from exc
-    try:
-        sim = check_plan(cg, plan)
     except PlanCheckError as exc:  # the digest held, but the decisions do not: an edited file
         raise click.BadParameter(f"{path} is not a valid plan for this model: {exc}",
                                  param_hint="--load") from exc
-    console.detail(f"re-applied plan {plan.digest()} to graph {cg.fingerprint}")
-    return PlannedGraph(gm=gm, cg=cg, plan=plan, sim=sim)
+    _report_steps(console, planned)
+    console.detail(f"re-applied plan {plan.digest()} to graph {planned.cg.fingerprint}")
+    return planned
 
 
 def _render(planned: PlannedGraph, fmt: str, all_rows: bool) -> str:
@@ -231,21 +123,6 @@ def _render(planned: PlannedGraph, fmt: str, all_rows: bool) -> str:
         return plan_to_dot(planned.cg, plan)
     table = plan.explain(max_rows=len(plan.values) if all_rows else 40)
     return f"{table}\n\nplan {plan.digest()} for graph {plan.fingerprint}\n"
-
-
-def _writable(_ctx, param, value: str | None) -> str | None:
-    """Check at parse time, before any tracing or solving, that a file can be written at ``value``
-    (its folder exists and takes a new file), naming the path given."""
-    if value is None:
-        return None
-    folder = os.path.dirname(os.path.abspath(value)) or "."
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
-    except OSError as exc:
-        raise click.BadParameter(f"cannot write {value}: {exc.strerror} ({folder})", param=param) from exc
-    os.close(fd)
-    os.unlink(probe)
-    return value
 
 
 def _emit_text(console: Console, text: str, output: str | None) -> None:
@@ -285,23 +162,20 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
 @click.option("--budget", type=BUDGET, default=None,
               help="Bytes, a unit string (1.5GiB, 512MB) or a fraction of the no-recompute peak (0.5). "
                    "Default: no limit.")
-@click.option("--solver", default="cpsat", show_default=True, callback=_check_solver,
+@click.option("--solver", default="cpsat", show_default=True, callback=check_solver,
               help="cpsat, greedy, save_all, checkpoint_blocks, or a registered MoE strategy.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "dot"]), default="table",
               show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, callback=_writable,
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, callback=writable,
               help="Write the plan here (atomically) instead of stdout.")
-@click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="PNG", callback=_writable,
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="PNG", callback=writable,
               help="Also draw the memory timeline of the plan and of save-all.")
 @click.option("--load", "load_path", type=click.Path(exists=True, dir_okay=False), default=None,
               metavar="PLAN.json", help="Re-apply a saved plan instead of solving.")
 @click.option("--all", "all_rows", is_flag=True, help="Table: print every row.")
 @click.option("--objective", type=click.Choice(["runtime", "flops"]), default=None,
               help="CP-SAT's recompute cost: estimated runtime (default) or counted FLOPs.")
-@click.option("--drop-outputs", is_flag=True,
-              help="Plan for a step that keeps only the scalar loss through backward "
-                   "(model(x).loss.backward()), which is the only output backward runs from; "
-                   "default: the caller holds every output.")
+@drop_outputs_option
 @time_limit_option
 @click.pass_context
 def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | None, solver: str,
@@ -331,18 +205,20 @@ def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | N
 @cli.command()
 @factory_argument
 @factory_args_option
-@click.option("--budgets", required=True, callback=_check_budget_list, metavar="B1,B2,...",
+@click.option("--budgets", required=True, callback=check_budget_list, metavar="B1,B2,...",
               help="Comma-separated budgets to sweep, e.g. 1.0,0.8,0.6,0.4.")
-@click.option("--solver", default="cpsat", show_default=True, callback=_check_solver)
-@click.option("--strategies", default=None, callback=_check_solver_list, metavar="A,B,...",
+@click.option("--solver", default="cpsat", show_default=True, callback=check_solver)
+@click.option("--strategies", default=None, callback=check_solver_list, metavar="A,B,...",
               help="Hand-picked strategies to mark. Default: save_all, checkpoint_blocks and every "
                    "registered MoE strategy; those that do not apply are listed as n/a.")
-@click.option("--png", type=click.Path(dir_okay=False), default=None, callback=_writable,
+@click.option("--png", type=click.Path(dir_okay=False), default=None, callback=writable,
               help="Draw the points here.")
+@drop_outputs_option
 @time_limit_option
 @click.pass_context
 def pareto(ctx: click.Context, factory: str, factory_kwargs: dict, budgets: list[str], solver: str,
-           strategies: list[str] | None, png: str | None, time_limit_s: float | None) -> None:
+           strategies: list[str] | None, png: str | None, drop_outputs: bool, time_limit_s: float | None
+           ) -> None:
     """Sweep budgets: recompute overhead against predicted peak, next to the hand-picked strategies.
 
     Infeasible budgets and strategies that do not apply are rows with the reason; the exit code
@@ -351,7 +227,8 @@ def pareto(ctx: click.Context, factory: str, factory_kwargs: dict, budgets: list
     console: Console = ctx.obj
     workload = _load_workload(factory, factory_kwargs, console)
     with timed(console, "trace and annotate"):
-        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver)
+        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver,
+                        hold_outputs=not drop_outputs)
     with timed(console, "budget sweep"):
         rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s,
                              progress=console.progress_callback)
@@ -366,15 +243,16 @@ def pareto(ctx: click.Context, factory: str, factory_kwargs: dict, budgets: list
 @cli.command()
 @factory_argument
 @factory_args_option
-@click.option("--strategies", required=True, callback=_check_solver_list, metavar="A,B,...",
+@click.option("--strategies", required=True, callback=check_solver_list, metavar="A,B,...",
               help="Solvers / strategies to run, e.g. save_all,checkpoint_blocks,cpsat.")
 @click.option("--budget", type=BUDGET, default=None, help="Budget every strategy is planned under.")
 @click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed steps per strategy (the median is reported).")
+@drop_outputs_option
 @time_limit_option
 @click.pass_context
 def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: list[str],
-            budget: str | None, steps: int, time_limit_s: float | None) -> None:
+            budget: str | None, steps: int, drop_outputs: bool, time_limit_s: float | None) -> None:
     """Train with each strategy for real: measured peak, FLOPs, step time, gradient error vs eager.
 
     Strategies that are infeasible at the budget or do not apply are rows with the reason. The
@@ -382,7 +260,7 @@ def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: 
     """
     console: Console = ctx.obj
     workload = _load_workload(factory, factory_kwargs, console)
-    budget_bytes = common_budget_bytes(workload, budget)
+    budget_bytes = common_budget_bytes(workload, budget, hold_outputs=not drop_outputs)
     if budget_bytes is not None:
         console.note(f"budget {budget} = {human_bytes(budget_bytes)} ({budget_bytes} bytes) for every "
                      "strategy")
@@ -391,7 +269,8 @@ def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: 
     for name in strategies:
         with console.progress(name) as progress, timed(console, f"{name}: plan, compile and measure"):
             runs.append(run_strategy(workload, name, budget_bytes, steps=steps, reference=runs[0],
-                                     time_limit_s=time_limit_s, progress=progress))
+                                     time_limit_s=time_limit_s, progress=progress,
+                                     hold_outputs=not drop_outputs))
     click.echo(format_compare_table(runs))
     if not any(r.status == "ok" for r in runs[1:]):
         infeasible = [r for r in runs[1:] if r.status == "infeasible"]
@@ -402,7 +281,7 @@ def compare(ctx: click.Context, factory: str, factory_kwargs: dict, strategies: 
 
 @cli.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="remat_demo_timeline.png",
-              callback=_writable,
+              callback=writable,
               show_default=True, help="Where to write the timeline picture.")
 @click.option("--budget", type=BUDGET, default="0.5", show_default=True)
 @time_limit_option

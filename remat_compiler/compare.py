@@ -23,11 +23,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from remat_compiler.api import compile as compile_model
 from remat_compiler.api import analyze, plan_model
 from remat_compiler.budget import human_bytes, parse_budget
-from remat_compiler.errors import InfeasibleBudgetError, RematError
+from remat_compiler.errors import InfeasibleBudgetError, StrategyNotApplicableError
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.plan import Plan
-from remat_compiler.solvers import resolve_budget
-from remat_compiler.sweep import options_for
+from remat_compiler.solvers import get_solver, resolve_budget
 from remat_compiler.viz import format_table, note_cell
 from remat_compiler.workload import Workload
 
@@ -130,7 +129,7 @@ def max_abs_error(grads: Sequence, reference: Sequence) -> float:
     return worst
 
 
-def common_budget_bytes(workload: Workload, budget) -> int | None:
+def common_budget_bytes(workload: Workload, budget, *, hold_outputs: bool = True) -> int | None:
     """One budget in bytes for every strategy, so a fraction means the same bytes for all of them.
 
     A fraction is taken of the no-recompute peak of the model as traced (strategies that trace a
@@ -140,6 +139,8 @@ def common_budget_bytes(workload: Workload, budget) -> int | None:
     ----------
     workload : Workload
     budget : int | str | float | None
+    hold_outputs : bool
+        As :func:`remat_compiler.compile` takes it.
 
     Returns
     -------
@@ -154,7 +155,7 @@ def common_budget_bytes(workload: Workload, budget) -> int | None:
     parsed = parse_budget(budget)
     if parsed.fraction is None:
         return parsed.bytes
-    _, cg = analyze(workload.model, workload.args, workload.kwargs)
+    _, cg = analyze(workload.model, workload.args, workload.kwargs, hold_outputs=hold_outputs)
     return resolve_budget(cg, parsed)
 
 
@@ -173,7 +174,7 @@ def eager_reference(workload: Workload, *, steps: int = 5) -> StrategyRun:
 
 def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
                  reference: StrategyRun, time_limit_s: float | None = None,
-                 progress: Callable | None = None) -> StrategyRun:
+                 progress: Callable | None = None, hold_outputs: bool = True) -> StrategyRun:
     """Plan ``strategy`` under ``budget``, train with it through ``remat_compiler.compile``, measure.
 
     Parameters
@@ -191,6 +192,8 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
         For solvers that take it.
     progress : callable, optional
         Progress callback for solvers that take it.
+    hold_outputs : bool
+        As :func:`remat_compiler.compile` takes it.
 
     Returns
     -------
@@ -203,18 +206,17 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
         For anything but an infeasible budget or a strategy that does not apply (a mismatched or
         rejected plan is a bug and is not turned into a row).
     """
-    opts = options_for(strategy, time_limit_s=time_limit_s, progress=progress)
+    opts = get_solver(strategy).options_in({"time_limit_s": time_limit_s, "progress": progress})
     try:
         planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=strategy,
-                             **opts)
+                             hold_outputs=hold_outputs, **opts)
     except InfeasibleBudgetError as exc:
         return StrategyRun(strategy, "infeasible", f"needs >= {human_bytes(exc.min_feasible_bytes)} "
                                                    f"({exc.min_feasible_bytes} bytes)")
-    except ValueError as exc:
-        if isinstance(exc, RematError):
-            raise
+    except StrategyNotApplicableError as exc:
         return StrategyRun(strategy, "n/a", str(exc))
-    compiled = compile_model(workload.model, budget, solver=strategy, plan=planned.plan)
+    compiled = compile_model(workload.model, budget, solver=strategy, plan=planned.plan,
+                             hold_outputs=hold_outputs)
     run = _measure(StrategyRun(strategy, plan=planned.plan), workload, compiled, steps)
     run.max_grad_error = max_abs_error(run.grads, reference.grads)
     run.grads = []

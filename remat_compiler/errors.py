@@ -1,8 +1,8 @@
 """Errors raised by remat_compiler, each saying what is wrong and what to do."""
 from __future__ import annotations
 
-__all__ = ["RematError", "InfeasibleBudgetError", "UntraceableModelError", "PlanMismatchError",
-           "PlanCheckError"]
+__all__ = ["RematError", "InfeasibleBudgetError", "StrategyOverBudgetError", "StrategyNotApplicableError",
+           "UntraceableModelError", "PlanMismatchError", "PlanCheckError"]
 
 
 class RematError(Exception):
@@ -41,6 +41,21 @@ class InfeasibleBudgetError(RematError, ValueError):
                 f"within the time limit: the smallest feasible budget found is {min_feasible_bytes} "
                 f"bytes ({human_bytes(min_feasible_bytes)}), not proven minimal; pass memory_budget >= "
                 f"{min_feasible_bytes}, {advice}")
+
+
+class StrategyOverBudgetError(InfeasibleBudgetError):
+    """A hand-picked strategy's fixed plan peaks above the budget."""
+
+    def __init__(self, name: str, budget_bytes: int, peak_bytes: int):
+        super().__init__(budget_bytes, peak_bytes)
+        self.args = (f"strategy {name} peaks at {peak_bytes} bytes, above the budget {budget_bytes}; "
+                     f"its smallest feasible budget is {peak_bytes} bytes (use solver='cpsat' to "
+                     f"search all plans)",)
+
+
+class StrategyNotApplicableError(RematError, ValueError):
+    """A hand-picked strategy's rule does not apply to this model (no repeated blocks, no MoE
+    segment...); the message says which solver to use instead."""
 
 
 class UntraceableModelError(RematError):

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from remat_compiler.budget import human_bytes
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanMismatchError
 from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simulate
 
@@ -65,7 +65,7 @@ class Plan:
         Who made it; "optimal" or "feasible"; proven relative gap of the cost (0 when optimal);
         wall time of the solve.
     model_peak_bytes : int
-        The solver's own bound on the peak: CP-SAT's step-level peak (>= peak_bytes).
+        The solver's own claim on the peak (CP-SAT: its model's node-level peak, >= peak_bytes).
     min_feasible_bytes : int | None
         The smallest peak any plan reaches on this graph, when the solver computed it.
     fingerprint : str

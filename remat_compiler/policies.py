@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Callable, Literal
 
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import save_all_set
 
 __all__ = ["Policy", "MATMUL_OPS", "save_matmuls", "save", "save_only", "never_save", "first_of",

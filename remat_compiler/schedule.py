@@ -24,9 +24,8 @@ runs the recomputations the j-th backward node needs and then that node. Every n
 runs at time ``i``; in backward step ``j`` the recomputation of forward node ``i`` runs at
 ``F + j*(F+1) + i`` and the backward node at ``F + j*(F+1) + F``. A value is live from the time of the
 node that allocates it through the time of its last reader, so the live bytes at a node's time are
-exactly what the emitted code holds while that node runs. The step-level view (a value live from its
-allocating step through its last reading step) is kept for pictures. Parameters and inputs are
-resident before the step and not counted; tangents appear at the first backward step; parameter gradients, the caller's
+exactly what the emitted code holds while that node runs. Parameters and inputs are resident before
+the step and not counted; tangents appear at the first backward step; parameter gradients, the caller's
 outputs and the gradients autograd passes in (a scalar loss's seed; every output's gradient when the
 loss is computed outside) stay live to the end. Memory that code outside the compiled
 module allocates (a loss computed outside it) is not part of the plan.
@@ -35,11 +34,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanCheckError
 
-__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "bw_time", "rerunnable",
-           "recomputed_outputs"]
+__all__ = ["Schedule", "SimResult", "build_schedule", "simulate", "save_all_set", "no_recompute", "peak_of",
+           "bw_time", "bw_step_of", "rerunnable", "recomputed_outputs"]
 
 
 @dataclass
@@ -85,29 +84,25 @@ class Schedule:
 
 @dataclass
 class SimResult:
-    """The simulated memory of a schedule.
+    """The simulated memory of a schedule, node by node.
 
-    ``peak_bytes`` is the exact peak of the emitted code, node by node, reached while ``peak_node``
-    runs, in step ``peak_step``; ``step_peak_bytes`` the peak when a backward step's recomputations
-    all count as live through the step (>= ``peak_bytes``). ``profile[t]`` is the step-level live
-    bytes at step t (forward steps first); ``intervals`` maps each allocated value instance
-    ``(owner, "fw" | "rc" | "rc2"... | "bw")`` (``rcK``: the K-th recomputation of a rerun value)
-    to ``(first_step, last_step, bytes)`` and ``times`` maps it to ``(first_time, last_time)`` on
-    the node-level time axis (see the module docstring).
+    ``peak_bytes`` is the exact peak of the emitted code, reached while ``peak_node`` runs, at
+    ``peak_time`` on the node-level time axis (see the module docstring). Each allocated value
+    instance ``(owner, "fw" | "rc" | "rc2"... | "bw")`` (``rcK``: the K-th recomputation of a rerun
+    value) has its bytes in ``sizes``, its ``(first, last)`` time in ``times`` and its first and
+    last event (index into ``events``) in ``spans``. ``events`` lists each node run with the bytes
+    live while it runs.
     """
 
     peak_bytes: int
-    step_peak_bytes: int
-    peak_step: int
-    profile: list[int]
-    intervals: dict[tuple[str, str], tuple[int, int, int]]
     num_fw_steps: int
     recompute_s: float
     recompute_flops: int
     recompute_comm_bytes: int
-    events: list[tuple[str, int]] = field(default_factory=list)  # (node run, live bytes while it runs)
+    sizes: dict[tuple[str, str], int] = field(default_factory=dict)
+    events: list[tuple[str, int]] = field(default_factory=list)
     times: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
-    spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # first, last event
+    spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     peak_node: str | None = None
     peak_time: int = 0
 
@@ -117,7 +112,7 @@ class SimResult:
 
     def load_at(self, time: int) -> int:
         """Live bytes at a node-level time."""
-        return sum(self.intervals[k][2] for k in self.live_at(time))
+        return sum(self.sizes[k] for k in self.live_at(time))
 
 
 def bw_time(num_fw: int, step, slot=None):
@@ -128,6 +123,15 @@ def bw_time(num_fw: int, step, slot=None):
     (4, 6, 7)
     """
     return num_fw + step * (num_fw + 1) + (num_fw if slot is None else slot)
+
+
+def bw_step_of(num_fw: int, time: int) -> int | None:
+    """The backward step (0-based) a node-level time falls in; None for a forward time.
+
+    >>> bw_step_of(3, 6), bw_step_of(3, 7), bw_step_of(3, 2)
+    (0, 1, None)
+    """
+    return None if time < num_fw else (time - num_fw) // (num_fw + 1)
 
 
 def _is_getitem(cg: CostGraph, n: str) -> bool:
@@ -270,14 +274,27 @@ def save_all_set(cg: CostGraph) -> list[str]:
     return build_schedule(cg, cg.candidates).saved
 
 
-def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
-    """Simulate the live storage bytes of a schedule, node by node and step by step.
+def no_recompute(cg: CostGraph) -> SimResult:
+    """The simulation of the no-recompute plan, computed once per graph (kept in ``cg.derived``):
+    its peak is what a budget fraction is a fraction of, and its intervals are the life of every
+    value no plan changes."""
+    if "no_recompute" not in cg.derived:
+        cg.derived["no_recompute"] = simulate(cg, build_schedule(cg, save_all_set(cg)))
+    return cg.derived["no_recompute"]
 
-    Two peaks come out. ``peak_bytes`` is exact for the emitted code: every node, recomputed or not,
-    allocates its output while its inputs are live, and each value is freed right after its last
-    reader; it is what the solvers bound (the CP-SAT model reproduces it on the same time axis, see
-    :mod:`remat_compiler.solvers.cpsat`). ``step_peak_bytes`` counts everything a backward step
-    recomputes as live through that whole step (never below ``peak_bytes``; for pictures).
+
+def peak_of(cg: CostGraph, saved, rerun=()) -> int:
+    """The simulated peak of the plan that saves ``saved`` (and reruns ``rerun``)."""
+    return simulate(cg, build_schedule(cg, saved, rerun)).peak_bytes
+
+
+def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
+    """Simulate the live storage bytes of a schedule, node by node.
+
+    Every node, recomputed or not, allocates its output while its inputs are live, and each value is
+    freed right after its last reader, so ``peak_bytes`` is exact for the emitted code; it is what
+    the solvers bound (the CP-SAT model reproduces it on the same time axis, see
+    :mod:`remat_compiler.solvers.cpsat.model`).
 
     Returns
     -------
@@ -288,125 +305,125 @@ def simulate(cg: CostGraph, schedule: Schedule) -> SimResult:
     PlanCheckError
         If the schedule reads a value before it exists, or recomputes a node that must not be.
     """
-    F = len(schedule.fw)
-    end = F + len(schedule.bw) - 1
-    last_time = bw_time(F, len(schedule.bw) - 1)
-    fw_index = cg.fw_index
-    recomputed = set(schedule.recomputed)
-    made: dict[str, int] = {}                       # recomputations so far, per node
-    saved = set(schedule.saved)
-    live: dict[str, tuple[str, str]] = {}          # storage owner -> current instance key
-    # key -> [first step, last step, first event, last event, first time, last time]
-    intervals: dict[tuple[str, str], list[int]] = {}
-    sizes: dict[tuple[str, str], int] = {}
-    clock = {"ev": 0}
+    return _Simulator(cg, schedule).run()
 
-    nodes = cg.g.nodes
-    storage_of = cg._storage
 
-    def alloc(owner: str, kind: str, step: int, ev: int, time: int) -> None:
+class _Simulator:
+    """One simulation: the value instances live now, and each instance's first and last event and
+    time, filled as the schedule's nodes run in order."""
+
+    def __init__(self, cg: CostGraph, schedule: Schedule):
+        self.cg, self.schedule = cg, schedule
+        self.F = len(schedule.fw)
+        self.recomputed = set(schedule.recomputed)
+        self.live: dict[str, tuple[str, str]] = {}         # storage owner -> current instance
+        self.spans: dict[tuple[str, str], list[int]] = {}  # instance -> [first ev, last ev, first t, last t]
+        self.sizes: dict[tuple[str, str], int] = {}
+        self.order: list[str] = []                          # node runs, one per event
+        self.times: list[int] = []                          # each event's time
+
+    def alloc(self, owner: str, kind: str, ev: int, time: int) -> None:
         key = (owner, kind)
-        intervals[key] = [step, step, ev, ev, time, time]
-        sizes[key] = nodes[owner]["bytes"]
-        live[owner] = key
+        self.spans[key] = [ev, ev, time, time]
+        self.sizes[key] = self.cg.g.nodes[owner]["bytes"]
+        self.live[owner] = key
 
-    def use(n: str, step: int, ev: int, time: int, reader: str) -> None:
-        owner = storage_of[n]
+    def use(self, n: str, ev: int, time: int, reader: str) -> None:
+        nodes = self.cg.g.nodes
+        owner = self.cg.storage(n)
         if owner is None or nodes[owner]["phase"] == "input" or nodes[owner]["bytes"] == 0:
             return  # resident, or an empty storage (``torch.tensor([])``): nothing to keep alive
-        key = live.get(owner)
+        key = self.live.get(owner)
         if key is None:
-            raise PlanCheckError(f"{reader} at step {step} reads {n} (storage {owner}) before it exists")
-        iv = intervals[key]
-        iv[1], iv[3], iv[5] = max(iv[1], step), max(iv[3], ev), max(iv[5], time)
+            raise PlanCheckError(f"{reader} reads {n} (storage {owner}) before it exists")
+        span = self.spans[key]
+        span[1], span[3] = max(span[1], ev), max(span[3], time)
 
-    order: list[str] = []
-
-    def run(n: str, step: int, kind: str) -> None:
-        ev = clock["ev"]
-        if kind == "fw":
-            time = step
-        else:
-            time = bw_time(F, step - F, fw_index[n] if kind.startswith("rc") else None)
-        order.append(n)
-        times.append(time)
+    def step(self, n: str, kind: str, time: int) -> None:
+        """Run node ``n`` (``kind`` "fw", "rc", "rcK" or "bw") at ``time``."""
+        cg, nodes = self.cg, self.cg.g.nodes
+        ev = len(self.order)
+        self.order.append(n)
+        self.times.append(time)
         for p in cg.fw_preds(n) if kind == "fw" else cg.preds(n):  # a recomputation reads less
-            use(p, step, ev, time, n)
-        if storage_of[n] == n and nodes[n]["bytes"] > 0 and live.get(n) != (n, kind):
-            alloc(n, kind, step, ev, time)
-        if nodes[n]["is_tuple"]:  # a multi-output op allocates every output it returns at once
-            for u in cg.g.successors(n):
-                taken = u in recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]
-                if storage_of[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" and taken:
-                    alloc(u, kind, step, ev, time)
-            if kind.startswith("rc"):  # and, for an instant, those a recomputation does not take
-                for u in recomputed_outputs(cg, n):
-                    if u not in recomputed:
-                        key = (u, f"{kind}-transient")
-                        intervals[key] = [step, step, ev, ev, time, time]
-                        sizes[key] = nodes[u]["bytes"]
-        clock["ev"] = ev + 1
+            self.use(p, ev, time, n)
+        if cg.storage(n) == n and nodes[n]["bytes"] > 0 and self.live.get(n) != (n, kind):
+            self.alloc(n, kind, ev, time)
+        if not nodes[n]["is_tuple"]:
+            return
+        for u in cg.g.successors(n):  # a multi-output op allocates every output it returns at once
+            taken = u in self.recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]
+            if cg.storage(u) == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" and taken:
+                self.alloc(u, kind, ev, time)
+        if kind.startswith("rc"):  # and, for an instant, those a recomputation does not take
+            for u in recomputed_outputs(cg, n):
+                if u not in self.recomputed:
+                    key = (u, f"{kind}-transient")
+                    self.spans[key] = [ev, ev, time, time]
+                    self.sizes[key] = nodes[u]["bytes"]
 
-    times: list[int] = []
-    for i, n in enumerate(schedule.fw):
-        run(n, i, "fw")
-    # The forward's outputs live until it returns, whatever the caller does with them then.
-    for o in cg.fw_outputs:
-        if o is not None:
-            use(o, F - 1, clock["ev"] - 1, F - 1, "the forward's output")
-    # After the forward: what backward can no longer read is dead.
-    for owner in list(live):
-        if owner not in saved and owner not in cg.held_storages:
-            del live[owner]
-    for t in cg.tangents:
-        if cg.attr(t, "bytes") > 0:
-            alloc(t, "bw", F, clock["ev"], F)  # from the start of backward, before any recompute
-    for j, (rec, b) in enumerate(schedule.bw):
-        step = F + j
-        for r in rec:
-            if cg.attr(r, "never_recompute"):
-                raise PlanCheckError(f"schedule recomputes {r}: {cg.attr(r, 'reason')}")
-            made[r] = made.get(r, 0) + 1
-            run(r, step, "rc" if made[r] == 1 else f"rc{made[r]}")
-        run(b, step, "bw")
-    last_ev = clock["ev"] - 1
-    # held to the end: the caller's outputs (unless it drops them), the gradients backward returns,
-    # and the gradients autograd's engine passes in (it holds them until backward returns). When the model returns a
-    # scalar (its loss), that seed is the only real gradient: AOTAutograd makes zeros for the other
-    # outputs and frees them after their last use. Otherwise every output's gradient is held to the
-    # end: right for out.backward(g), whose caller holds g; a gradient that a loss computed outside
-    # makes (loss_fn(out).backward()) is freed after its last use, and the plan is above by its bytes.
-    seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()] or list(cg.tangents)
-    held = [o for o in cg.fw_outputs if o is not None and cg.storage(o) in cg.held_storages]
-    for n in [*held, *cg.bw_outputs, *seeds]:
-        if n is None or cg.storage(n) is None:
-            continue
-        key = live.get(cg.storage(n))
-        if key is not None:
-            intervals[key][1], intervals[key][3], intervals[key][5] = end, last_ev, last_time
+    def run(self) -> SimResult:
+        cg, schedule, F = self.cg, self.schedule, self.F
+        for i, n in enumerate(schedule.fw):
+            self.step(n, "fw", i)
+        for o in cg.fw_outputs:  # the forward's outputs live until it returns
+            if o is not None:
+                self.use(o, len(self.order) - 1, F - 1, "the forward's output")
+        saved = set(schedule.saved)
+        for owner in list(self.live):  # after the forward: what backward can no longer read is dead
+            if owner not in saved and owner not in cg.held_storages:
+                del self.live[owner]
+        for t in cg.tangents:
+            if cg.attr(t, "bytes") > 0:
+                self.alloc(t, "bw", len(self.order), F)  # from the start of backward, before any recompute
+        made: dict[str, int] = {}
+        for j, (rec, b) in enumerate(schedule.bw):
+            for r in rec:
+                if cg.attr(r, "never_recompute"):
+                    raise PlanCheckError(f"schedule recomputes {r}: {cg.attr(r, 'reason')}")
+                made[r] = made.get(r, 0) + 1
+                self.step(r, "rc" if made[r] == 1 else f"rc{made[r]}", bw_time(F, j, cg.fw_index[r]))
+            self.step(b, "bw", bw_time(F, j))
+        self.hold_to_end()
+        events = _sweep(((a, z, self.sizes[k]) for k, (a, z, _ta, _tz) in self.spans.items()),
+                        len(self.order))
+        peak = max(events) if events else 0
+        peak_ev = events.index(peak) if events else 0
+        return SimResult(
+            peak_bytes=peak,
+            peak_node=self.order[peak_ev] if self.order else None,
+            peak_time=self.times[peak_ev] if self.times else 0,
+            sizes=dict(self.sizes),
+            times={k: (v[2], v[3]) for k, v in self.spans.items()},
+            spans={k: (v[0], v[1]) for k, v in self.spans.items()},
+            num_fw_steps=F,
+            recompute_s=sum(cg.attr(r, "runtime_s") for r in schedule.recomputed),
+            recompute_flops=sum(cg.attr(r, "flops") for r in schedule.recomputed),
+            recompute_comm_bytes=sum(cg.attr(r, "comm_bytes") for r in schedule.recomputed),
+            events=list(zip(self.order, events)),
+        )
 
-    profile = _sweep(((iv[0], iv[1], sizes[k]) for k, iv in intervals.items()), end + 1)
-    events = _sweep(((iv[2], iv[3], sizes[k]) for k, iv in intervals.items()), last_ev + 1)
-    step_peak = max(profile) if profile else 0
-    peak = max(events) if events else 0
-    peak_ev = events.index(peak) if events else 0
-    peak_time = times[peak_ev] if times else 0
-    return SimResult(
-        peak_bytes=peak,
-        step_peak_bytes=step_peak,
-        peak_step=peak_time if peak_time < F else F + (peak_time - F) // (F + 1),
-        peak_node=order[peak_ev] if order else None,
-        peak_time=peak_time,
-        times={k: (v[4], v[5]) for k, v in intervals.items()},
-        spans={k: (v[2], v[3]) for k, v in intervals.items()},
-        profile=profile,
-        intervals={k: (v[0], v[1], sizes[k]) for k, v in intervals.items()},
-        num_fw_steps=F,
-        recompute_s=sum(cg.attr(r, "runtime_s") for r in schedule.recomputed),
-        recompute_flops=sum(cg.attr(r, "flops") for r in schedule.recomputed),
-        recompute_comm_bytes=sum(cg.attr(r, "comm_bytes") for r in schedule.recomputed),
-        events=list(zip(order, events)),
-    )
+    def hold_to_end(self) -> None:
+        """Extend to the end what lives through the step: the caller's outputs (unless it drops
+        them), the gradients backward returns, and the gradients autograd's engine passes in (it
+        holds them until backward returns).
+
+        When the model returns a scalar (its loss), that seed is the only real gradient: AOTAutograd
+        makes zeros for the other outputs and frees them after their last use. Otherwise every
+        output's gradient is held to the end: right for out.backward(g), whose caller holds g; a
+        gradient that a loss computed outside makes (loss_fn(out).backward()) is freed after its last
+        use, and the plan is above by its bytes.
+        """
+        cg = self.cg
+        last_ev, last_time = len(self.order) - 1, bw_time(self.F, len(self.schedule.bw) - 1)
+        seeds = [t for t in cg.tangents if cg.attr(t, "shape") == ()] or list(cg.tangents)
+        held = [o for o in cg.fw_outputs if o is not None and cg.storage(o) in cg.held_storages]
+        for n in [*held, *cg.bw_outputs, *seeds]:
+            if n is None or cg.storage(n) is None:
+                continue
+            key = self.live.get(cg.storage(n))
+            if key is not None:
+                self.spans[key][1], self.spans[key][3] = last_ev, last_time
 
 
 def _sweep(spans, length: int) -> list[int]:

@@ -6,27 +6,22 @@
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from remat_compiler.api import analyze
 from remat_compiler.budget import human_bytes
 from remat_compiler.check import check_plan
-from remat_compiler.costgraph import CostGraph
-from remat_compiler.errors import InfeasibleBudgetError, RematError
+from remat_compiler.graph import CostGraph
+from remat_compiler.errors import InfeasibleBudgetError, StrategyNotApplicableError
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import SOLVERS, get_solver, solve
+from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.viz import format_table, note_cell
 
-__all__ = ["ParetoRow", "sweep_budgets", "strategy_points", "hand_picked_strategies", "options_for",
-           "format_pareto_table", "SEARCHING_SOLVERS"]
-
-#: Registered solvers that search under the budget; every other registered name is a hand-picked
-#: strategy (a fixed rule such as save_all, checkpoint_blocks or an MoE strategy).
-SEARCHING_SOLVERS = frozenset({"cpsat", "greedy", "moe_cpsat"})
+__all__ = ["ParetoRow", "sweep_budgets", "strategy_points", "hand_picked_strategies", "format_pareto_table"]
 
 
 @dataclass
@@ -54,26 +49,6 @@ class ParetoRow:
     note: str = ""
 
 
-def options_for(solver: str | Callable[..., Plan], **options: Any) -> dict[str, Any]:
-    """The options (``time_limit_s``, ``progress``...) to pass to ``solver``; None values are dropped.
-
-    A solver gets an option when it names it as a parameter or takes ``**opts`` (the solver
-    signature; hand-picked strategies ignore what they do not use, ``moe_cpsat`` forwards to CP-SAT).
-    A solver with a fixed parameter list gets only what it names, so one command line works with
-    every solver.
-
-    Example
-    -------
-    >>> options_for("cpsat", time_limit_s=5.0, progress=None)
-    {'time_limit_s': 5.0}
-    """
-    params = inspect.signature(get_solver(solver)).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = {k for k, p in params.items()
-             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-    return {k: v for k, v in options.items() if v is not None and (k in named or takes_any)}
-
-
 def sweep_budgets(cg: CostGraph, budgets: Sequence[str], *, solver: str = "cpsat",
                   time_limit_s: float | None = None,
                   progress: Callable[[str], Callable | None] | None = None) -> list[ParetoRow]:
@@ -86,9 +61,12 @@ def sweep_budgets(cg: CostGraph, budgets: Sequence[str], *, solver: str = "cpsat
         Budgets in any form :func:`remat_compiler.parse_budget` accepts.
     solver : str
     time_limit_s : float, optional
-        Per solve, for solvers that take it.
+        For each solve (the whole solve), for solvers that take it.
     progress : callable, optional
         ``progress(label)`` returns the progress callback for that solve (or None).
+
+    The solves share one :class:`~remat_compiler.solvers.cpsat.SolveMemo`, so each budget starts
+    from the plans of the budgets before it.
 
     Returns
     -------
@@ -102,12 +80,13 @@ def sweep_budgets(cg: CostGraph, budgets: Sequence[str], *, solver: str = "cpsat
         If a solver returns a plan the simulation rejects.
     """
     rows = []
+    strategy, memo = get_solver(solver), SolveMemo()
     for budget in budgets:
         label = f"{solver} @ {budget}"
         callback = progress(label) if progress else None
         try:
-            plan = solve(cg, budget, solver, **options_for(solver, time_limit_s=time_limit_s,
-                                                           progress=callback))
+            plan = solve(cg, budget, strategy, **strategy.options_in(
+                {"time_limit_s": time_limit_s, "progress": callback, "memo": memo}))
         except InfeasibleBudgetError as exc:
             rows.append(ParetoRow(label, "sweep", budget,
                                   note=f"infeasible: needs >= {human_bytes(exc.min_feasible_bytes)}"))
@@ -118,9 +97,8 @@ def sweep_budgets(cg: CostGraph, budgets: Sequence[str], *, solver: str = "cpsat
 
 
 def hand_picked_strategies() -> list[str]:
-    """Registered strategies that are fixed rules, not searches (MoE strategies included once loaded)."""
-    get_solver("save_all")  # loads optional strategy modules, which register themselves
-    return [name for name in SOLVERS if name not in SEARCHING_SOLVERS]
+    """The solvers that are fixed rules, not searches (save_all, checkpoint_blocks, MoE strategies)."""
+    return [name for name, strategy in SOLVERS.items() if not strategy.searching]
 
 
 def strategy_points(model: torch.nn.Module, args: tuple, kwargs: dict | None, cg: CostGraph,
@@ -130,7 +108,7 @@ def strategy_points(model: torch.nn.Module, args: tuple, kwargs: dict | None, cg
     Parameters
     ----------
     model, args, kwargs :
-        Needed to re-trace for strategies that prepare the model (``solver.prepare_model``).
+        Needed to re-trace for strategies that prepare the model (``Strategy.prepare``).
     cg : CostGraph
         The graph of the plain trace, used by every other strategy.
     names : sequence of str, optional
@@ -148,13 +126,11 @@ def strategy_points(model: torch.nn.Module, args: tuple, kwargs: dict | None, cg
     rows = []
     for name in names if names is not None else hand_picked_strategies():
         graph = cg
-        if getattr(get_solver(name), "prepare_model", None) is not None:
-            _, graph = analyze(model, args, kwargs, solver=name)
+        if get_solver(name).prepare is not None:
+            _, graph = analyze(model, args, kwargs, solver=name, hold_outputs=cg.hold_outputs)
         try:
             plan = solve(graph, None, name)
-        except ValueError as exc:
-            if isinstance(exc, RematError):
-                raise
+        except StrategyNotApplicableError as exc:
             rows.append(ParetoRow(name, "strategy", "-", note=f"n/a: {exc}"))
             continue
         check_plan(graph, plan)

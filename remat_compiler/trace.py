@@ -22,11 +22,12 @@ from torch.func import functional_call
 
 from remat_compiler.errors import UntraceableModelError
 
-__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "mark_mutated_inputs"]
+__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint"]
 
 MODULE_KEY = "remat.module"
 MODULE_CLASS_KEY = "remat.module_class"
 MUTATED_KEY = "remat.mutated_input"
+HOLD_OUTPUTS_KEY = "remat.hold_outputs"
 
 
 @dataclass
@@ -36,11 +37,13 @@ class StepFunction:
     Non-tensor arguments are baked in as constants (they are part of the signature), and the output's
     non-tensor leaves are restored by :meth:`unflatten_outputs`.
 
-    With ``loss_only`` (``hold_outputs=False``) and a scalar output that requires grad (the loss), the
-    other outputs leave the traced step without a gradient path: backward then gets no zero-filled
-    gradient for them (autograd materialises one per unused output of a custom Function, as large as
-    the logits). :meth:`unflatten_outputs` hands them back behind a guard whose backward raises, so
-    a backward through them is an error, never a silently missing gradient.
+    ``hold_outputs`` says whether the caller keeps the model's outputs through backward (see
+    :func:`remat_compiler.compile`). Without it (or when ``loss_only_reason`` gives another reason)
+    and with a scalar output that requires grad (the loss), the other outputs leave the traced step
+    without a gradient path: backward then gets no zero-filled gradient for them (autograd
+    materialises one per unused output of a custom Function, as large as the logits).
+    :meth:`unflatten_outputs` hands them back behind a guard whose backward raises, so a backward
+    through them is an error, never a silently missing gradient.
     """
 
     model: torch.nn.Module
@@ -52,8 +55,8 @@ class StepFunction:
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # tensors replaced by None
     out_tensor_positions: list[int] = field(default_factory=list)
-    loss_only: bool = False
-    loss_only_reason: str = "hold_outputs=False"  # why the other outputs have no gradient path
+    hold_outputs: bool = True
+    loss_only_reason: str | None = None  # why only the loss is differentiated (None: every output)
     no_grad_positions: list[int] = field(default_factory=list)  # outputs returned without a gradient
     mutated_positions: set[int] = field(default_factory=set)  # flat inputs the step mutates in place
 
@@ -78,7 +81,7 @@ class StepFunction:
         self.mutated_positions |= {i for i, t in enumerate(flat) if _has_data_mutation(t)}
         out_leaves, out_spec = pytree.tree_flatten(out)
         self.no_grad_positions = []
-        if self.loss_only and any(isinstance(x, torch.Tensor) and x.dim() == 0 and x.requires_grad
+        if self.loss_only_reason is not None and any(isinstance(x, torch.Tensor) and x.dim() == 0 and x.requires_grad
                                   for x in out_leaves):
             for i, x in enumerate(out_leaves):
                 if isinstance(x, torch.Tensor) and x.dim() != 0 and x.requires_grad:
@@ -105,6 +108,7 @@ class StepFunction:
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
+HOLD_OUTPUTS_OFF = "hold_outputs=False"
 INPLACE_AFTER_SAVE = (
     "the model modifies in place a value that backward through this output would need, so (as in "
     "eager, where such a backward raises) only the scalar loss is differentiated")
@@ -123,11 +127,16 @@ def _has_data_mutation(t) -> bool:
     return isinstance(t, FunctionalTensor) and bool(has_data_mutation(t))
 
 
-def mark_mutated_inputs(joint: fx.GraphModule, step: StepFunction) -> fx.GraphModule:
-    """Write ``meta["remat.mutated_input"]`` (the input's name) on the joint graph's placeholders for
-    the inputs the step mutates in place (a buffer's ``add_``, training-mode BatchNorm's running
-    statistics): their value in backward is not the forward's, so nothing that reads them may be
-    recomputed there (:mod:`passes.costs`)."""
+def annotate_joint(joint: fx.GraphModule, step: StepFunction) -> fx.GraphModule:
+    """Record on the joint graph what the trace knows and the graph does not show.
+
+    ``gm.meta["remat.hold_outputs"]``: whether the caller keeps the outputs through backward (read
+    by :meth:`~remat_compiler.graph.CostGraph.from_graph_module`). ``meta["remat.mutated_input"]``
+    (the input's name) on the placeholders of the inputs the step mutates in place (a buffer's
+    ``add_``, training-mode BatchNorm's running statistics): their value in backward is not the
+    forward's, so nothing that reads them may be recomputed there (:mod:`passes.costs`).
+    """
+    joint.meta[HOLD_OUTPUTS_KEY] = step.hold_outputs
     primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
     for i, n in enumerate(primals):
         if i in step.mutated_positions:
@@ -145,7 +154,7 @@ class _NoGradientThrough(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *_grads):
-        if ctx.reason != "hold_outputs=False":
+        if ctx.reason != HOLD_OUTPUTS_OFF:
             raise RuntimeError(f"this output of the compiled model has no gradient path: {ctx.reason}")
         raise RuntimeError(
             "this output of a model compiled with hold_outputs=False has no gradient path: that "
@@ -153,10 +162,10 @@ class _NoGradientThrough(torch.autograd.Function):
             "hold_outputs=True (the default) to backpropagate through the model's other outputs.")
 
 
-def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, loss_only: bool = False
-                 ) -> tuple[StepFunction, list[torch.Tensor]]:
+def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                 hold_outputs: bool = True) -> tuple[StepFunction, list[torch.Tensor]]:
     """Flatten ``model(*args, **kwargs)`` into a :class:`StepFunction` and its tensor inputs
-    (``loss_only``: see :class:`StepFunction`)."""
+    (``hold_outputs``: see :class:`StepFunction`)."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = StepFunction(
@@ -166,7 +175,8 @@ def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
         arg_spec=spec,
         arg_leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
         tensor_positions=positions,
-        loss_only=loss_only,
+        hold_outputs=hold_outputs,
+        loss_only_reason=None if hold_outputs else HOLD_OUTPUTS_OFF,
     )
     return step, [leaves[i] for i in positions]
 
@@ -319,7 +329,7 @@ def _describe_trace_failure(exc: Exception) -> str:
             f"activations, no Python branching on tensor values) or run it outside the compiled module.")
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, loss_only: bool = False
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, hold_outputs: bool = True
           ) -> TracedStep:
     """Capture the joint forward+backward aten graph of ``model(*args, **kwargs)``.
 
@@ -329,8 +339,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, lo
         The model; its parameters and buffers become graph inputs.
     args, kwargs :
         Example inputs. Only shapes, dtypes and ``requires_grad`` matter; nothing runs for real.
-    loss_only : bool
-        Backward only through a scalar loss output (see :class:`StepFunction`).
+    hold_outputs : bool
+        Whether the caller keeps the outputs through backward (see :func:`remat_compiler.compile`);
+        recorded in the graph's meta.
 
     Returns
     -------
@@ -343,10 +354,10 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, lo
     UntraceableModelError
         If the model has data-dependent shapes or control flow; the message names the op and line.
     """
-    step, flat_inputs = flatten_step(model, args, kwargs, loss_only=loss_only)
+    step, flat_inputs = flatten_step(model, args, kwargs, hold_outputs=hold_outputs)
 
     def capture(joint, _inputs, *, num_fwd_outputs, **_kw):
-        raise _JointCaptured(mark_mutated_inputs(joint, step), num_fwd_outputs)
+        raise _JointCaptured(annotate_joint(joint, step), num_fwd_outputs)
 
     fn = aot_step(step, capture)
     try:

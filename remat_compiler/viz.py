@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from remat_compiler.budget import human_bytes
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import build_schedule, simulate
 

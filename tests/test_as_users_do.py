@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import remat_compiler as rc
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.solvers import solve
-from remat_compiler.solvers.cpsat import min_feasible_peak
+from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 
 def _measured(model, call, step):
@@ -40,10 +40,13 @@ def _eager(model, step):
 
 
 def _at_smallest_and_between(model, x, time_limit_s=2):
+    """The smallest feasible budget and one halfway to no recompute, and the memo that holds the
+    plans the search found (the compiles at those budgets start from them, as a sweep's do)."""
     _, cg = rc.analyze(model, (x,))
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s)
+    memo = SolveMemo()
+    smallest, *_ = min_feasible_peak(cg, time_limit_s=time_limit_s, memo=memo)
     top = solve(cg, None, "save_all").peak_bytes
-    return [smallest, (smallest + top) // 2]
+    return [smallest, (smallest + top) // 2], memo
 
 
 class EmptyConstant(nn.Module):
@@ -63,9 +66,10 @@ def test_constants_made_in_forward_are_resident_and_empty_ones_need_no_storage()
     model, x = EmptyConstant().double(), torch.randn(64, 16, dtype=torch.float64)
     step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
     _, eager_loss, eager_grads = _eager(model, step)
-    for budget in _at_smallest_and_between(model, x):
+    budgets, memo = _at_smallest_and_between(model, x)
+    for budget in budgets:
         net = copy.deepcopy(model)
-        m = rc.compile(net, memory_budget=budget, time_limit_s=2)
+        m = rc.compile(net, memory_budget=budget, time_limit_s=2, memo=memo)
         peak, loss, grads = _measured(net, m, step)
         assert torch.equal(loss, eager_loss)
         assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
@@ -91,10 +95,10 @@ def test_training_batch_norm_recomputed_gives_eagers_gradients_and_running_stats
     model, x = _bn_chain(), torch.randn(128, 32, dtype=torch.float64)
     step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
     ref, eager_loss, eager_grads = _eager(model, step)
-    smallest, between = _at_smallest_and_between(model, x)
+    (smallest, between), memo = _at_smallest_and_between(model, x)
     for budget in (smallest, between):
         net = copy.deepcopy(model)
-        m = rc.compile(net, memory_budget=budget, time_limit_s=2)
+        m = rc.compile(net, memory_budget=budget, time_limit_s=2, memo=memo)
         peak, loss, grads = _measured(net, m, step)
         if budget == smallest:
             assert any("batch_norm" in n for n in m.plan.recomputed), "the smallest budget recomputes it"
@@ -166,9 +170,10 @@ def test_values_read_from_a_buffer_mutated_in_place_are_not_recomputed_from_its_
     model, x = MutatesBuffer().double(), torch.randn(256, 32, dtype=torch.float64)
     step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
     ref, eager_loss, eager_grads = _eager(model, step)
-    for budget in _at_smallest_and_between(model, x):
+    budgets, memo = _at_smallest_and_between(model, x)
+    for budget in budgets:
         net = copy.deepcopy(model)
-        m = rc.compile(net, memory_budget=budget, time_limit_s=2)
+        m = rc.compile(net, memory_budget=budget, time_limit_s=2, memo=memo)
         peak, loss, grads = _measured(net, m, step)
         assert torch.equal(loss, eager_loss) and torch.equal(net.count, ref.count)
         assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
@@ -188,10 +193,10 @@ class WithAux(nn.Module):
 def test_a_parameter_only_an_unused_output_reaches_keeps_a_none_gradient(recompute):
     torch.manual_seed(0)
     x = torch.randn(256, 16)
-    budget = _at_smallest_and_between(WithAux(), x)[0] if recompute else None
+    (budget, _), memo = _at_smallest_and_between(WithAux(), x) if recompute else ((None, None), None)
     eager, model = WithAux(), WithAux()
     model.load_state_dict(eager.state_dict())
-    m = rc.compile(model, memory_budget=budget, time_limit_s=2)
+    m = rc.compile(model, memory_budget=budget, time_limit_s=2, memo=memo)
     for net, call in ((eager, eager), (model, m)):
         opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1)
         for _ in range(2):
@@ -407,9 +412,9 @@ def test_dropout_is_recomputed_with_its_rng_state_replayed():
         loss.backward()
         return loss.detach(), torch.get_rng_state()
     ref, (eager_loss, eager_rng), eager_grads = _eager(model, step)
-    smallest, _ = _at_smallest_and_between(model, x, time_limit_s=5)
+    (smallest, _), memo = _at_smallest_and_between(model, x, time_limit_s=5)
     net = copy.deepcopy(model)
-    m = rc.compile(net, memory_budget=smallest, time_limit_s=5)
+    m = rc.compile(net, memory_budget=smallest, time_limit_s=5, memo=memo)
     peak, (loss, rng), grads = _measured(net, m, step)
     assert [n for n in m.plan.recomputed if n.startswith("dropout_at")], m.plan.recomputed
     assert not [n for n in m.plan.recomputed if n.startswith("rng_state")]  # the state is saved

@@ -11,9 +11,11 @@ import torch.nn as nn
 
 import remat_compiler as rc
 from remat_compiler.schedule import build_schedule, simulate
-from remat_compiler.solvers.basic import block_boundary_set
-from remat_compiler.solvers.blockbound import _MENUS, block_bound
-from remat_compiler.solvers.cpsat import build_model, cost_units, lp_bound, solve_cpsat
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import block_boundary_set
+from remat_compiler.solvers.cpsat import SolveMemo, build_model, cost_units, solve_cpsat
+from remat_compiler.solvers.cpsat.blockbound import block_bound
+from remat_compiler.solvers.cpsat.lp import lp_bound
 
 
 class Block(nn.Module):
@@ -61,18 +63,19 @@ def test_bound_is_below_every_fitting_plan(d, h, batch):
         positive = 0
         for budget in sorted({peak for peak, _ in costs}):
             best = min(c for peak, c in costs if peak <= budget)
-            found = block_bound(cg, budget, lambda n: cost_units(cg, n, objective), time_limit_s=60)
+            found = block_bound(cg, budget, lambda n: cost_units(cg, n, objective), deadline=Deadline(60))
             assert found is not None and found.bound <= best, (objective, budget, found, best)
             positive += found.bound > 0
         assert positive >= 1
         # below the least peak of any plan nothing fits, and the bound says so
         least = min(peak for peak, _ in costs)
-        assert block_bound(cg, least // 2, lambda n: cost_units(cg, n, objective)).bound == float("inf")
+        assert block_bound(cg, least // 2, lambda n: cost_units(cg, n, objective),
+                           deadline=Deadline(10)).bound == float("inf")
 
 
 def test_blocks_that_differ_are_not_decomposed():
     cg = _stack(16, 64, 64, widths=[64, 32, 64])
-    assert block_bound(cg, 10 ** 9, lambda n: cost_units(cg, n, "flops")) is None
+    assert block_bound(cg, 10 ** 9, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(10)) is None
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +95,16 @@ def test_gpt2_bound_beats_the_lp_and_its_plan_is_optimal(gpt2):
     model's few op counts weigh more than GPT-2's at scale, where the FLOP gap is 0.002%)."""
     cg = gpt2
     budget = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes
-    # cost_key: the menu is kept, so the solve below reuses it (as a sweep's later solves do)
-    found = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), time_limit_s=60, cost_key="flops")
+    # the menu is kept in the memo, so the solve given it below reuses it (as a sweep's later solves do)
+    memo = SolveMemo()
+    found = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(60),
+                        menus=memo.menus, cost_key="flops")
     assert found is not None and found.saved is not None
     rm = build_model(cg, budget, objective="flops")
     assert found.bound > lp_bound(rm) * rm.cost_gcd
     searched = solve_cpsat(cg, budget, time_limit_s=8, objective="flops", block_reuse=False)
     assert found.bound <= searched.extras["cost_units"]
-    plan = solve_cpsat(cg, budget, time_limit_s=30, objective="flops")  # the whole call now: the
-    # decomposition gets what the heuristics leave of it (15 s was cut short once under a loaded run)
+    plan = solve_cpsat(cg, budget, time_limit_s=30, objective="flops", memo=memo)
     assert plan.peak_bytes <= budget
     assert simulate(cg, build_schedule(cg, plan.saved)).peak_bytes <= budget
     assert plan.extras["cost_bound_units"] >= found.bound
@@ -113,10 +117,14 @@ def test_kept_menus_follow_the_costs():
     doubled (another cost model, same graph) the bound doubles."""
     cg = _stack(16, 64, 512)
     budget = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes
-    kept = len(_MENUS)
-    once = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), cost_key="test-flops")
-    assert len(_MENUS) == kept + 1
-    again = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), cost_key="test-flops")
-    assert len(_MENUS) == kept + 1 and again.bound == once.bound > 0
-    double = block_bound(cg, budget, lambda n: 2 * cost_units(cg, n, "flops"), cost_key="test-flops")
-    assert len(_MENUS) == kept + 2 and double.bound == 2 * once.bound
+    menus = {}
+
+    def bound(scale):
+        return block_bound(cg, budget, lambda n: scale * cost_units(cg, n, "flops"), deadline=Deadline(60),
+                           menus=menus, cost_key="flops")
+    once = bound(1)
+    assert len(menus) == 1
+    again = bound(1)
+    assert len(menus) == 1 and again.bound == once.bound > 0
+    double = bound(2)
+    assert len(menus) == 2 and double.bound == 2 * once.bound

@@ -7,8 +7,9 @@ import pytest
 import remat_compiler as rc
 from examples.gpt2 import build
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
-from remat_compiler.solvers.basic import block_boundary_set
-from remat_compiler.solvers.blockwise import block_stack, blockwise_saved_set
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import block_boundary_set, block_stack
+from remat_compiler.solvers.cpsat.blockwise import blockwise_saved_set
 from remat_compiler.solvers.cpsat import cost_units
 
 pytest.importorskip("transformers")
@@ -42,7 +43,7 @@ def test_composed_plans_fit_and_beat_checkpointing(gpt2):
     costs = {}
     budgets = sorted({base_peak, int(0.6 * base_peak), int(0.4 * base_peak), ck_peak}, reverse=True)
     for budget in budgets:
-        saved = blockwise_saved_set(cg, budget, checkpoint, lambda n: cost_units(cg, n))
+        saved = blockwise_saved_set(cg, budget, checkpoint, lambda n: cost_units(cg, n), deadline=Deadline(5))
         assert saved is not None, budget
         assert simulate(cg, build_schedule(cg, saved)).peak_bytes <= budget
         costs[budget] = _cost(cg, saved)
@@ -56,4 +57,5 @@ def test_composed_plans_fit_and_beat_checkpointing(gpt2):
 def test_below_every_option_nothing_is_returned(gpt2):
     cg = gpt2
     ck_peak = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes
-    assert blockwise_saved_set(cg, ck_peak // 4, block_boundary_set(cg), lambda n: cost_units(cg, n)) is None
+    assert blockwise_saved_set(cg, ck_peak // 4, block_boundary_set(cg), lambda n: cost_units(cg, n),
+                               deadline=Deadline(5)) is None

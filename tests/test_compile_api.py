@@ -169,8 +169,9 @@ def test_random_ops_are_never_recomputed():
     model = Dropout()
     x = torch.randn(256, 64)
     _, cg = rc.analyze(model, (x,))
-    smallest, *_ = rc.solvers.cpsat.min_feasible_peak(cg, time_limit_s=10)
-    m = rc.compile(model, memory_budget=smallest, time_limit_s=10)
+    memo = rc.SolveMemo()
+    smallest, *_ = rc.solvers.cpsat.min_feasible_peak(cg, time_limit_s=10, memo=memo)
+    m = rc.compile(model, memory_budget=smallest, time_limit_s=10, memo=memo)
     torch.manual_seed(5)
     m(x).backward()
     assert m.plan.recomputed and m.plan.peak_bytes < m.plan.baseline_peak_bytes

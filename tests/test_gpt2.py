@@ -7,7 +7,7 @@ import torch
 import remat_compiler as rc
 from examples.gpt2 import build
 from remat_compiler.memory import LiveStorageTracker
-from remat_compiler.solvers.cpsat import min_feasible_peak
+from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 pytest.importorskip("transformers")
 TIME_LIMIT_S = 8
@@ -29,9 +29,10 @@ def runs():
     _, eager_grads = _measured_step(model, lambda: model(**inputs), loss_fn)
     _, cg = rc.analyze(model, (), inputs)
     results = {}
+    memo = SolveMemo()  # one per graph, as a sweep has: each budget starts from the plans before it
 
     def run(budget):
-        compiled = rc.compile(model, memory_budget=budget, time_limit_s=TIME_LIMIT_S)
+        compiled = rc.compile(model, memory_budget=budget, time_limit_s=TIME_LIMIT_S, memo=memo)
         _measured_step(model, lambda: compiled(**inputs), loss_fn)  # trace, plan, warm up
         peak, grads = _measured_step(model, lambda: compiled(**inputs), loss_fn)
         results[budget] = (compiled.plan, peak, grads)
@@ -40,7 +41,7 @@ def runs():
         run(budget)
     # the smallest budget known to be feasible (CP-SAT's lowest-peak solve stops at its time limit;
     # it also knows the plans found at the larger budgets above)
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=TIME_LIMIT_S)
+    smallest, *_ = min_feasible_peak(cg, time_limit_s=TIME_LIMIT_S, memo=memo)
     run(smallest)
     return eager_grads, results, smallest
 

@@ -15,7 +15,8 @@ import moe_compile_worker as worker
 import remat_compiler
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoELayer
-from remat_compiler.moe.strategies import fused_combine_mode, moe_segments
+from remat_compiler.moe.layer import fused_combine_mode
+from remat_compiler.solvers.moe import moe_segments
 from tiny_models import tiny_mixtral
 
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64

@@ -10,8 +10,8 @@ from remat_compiler.errors import PlanCheckError
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, simulate
-from remat_compiler.solvers.basic import block_boundary_set
-from remat_compiler.solvers.rerun import lower_peak
+from remat_compiler.graph import block_boundary_set
+from remat_compiler.solvers.cpsat.rerun import lower_peak
 
 pytest.importorskip("transformers")
 
@@ -105,15 +105,16 @@ def test_bad_reruns_are_refused(gpt2):
 
 def test_budget_below_single_recompute_floor_is_met_with_reruns(gpt2):
     """The smallest feasible budget now counts reruns; compiling at it gives a plan that fits."""
-    from remat_compiler.solvers.cpsat import min_feasible_peak
+    from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
     model, inputs, eager, cg = gpt2
-    low, _proven, saved, rerun = min_feasible_peak(cg, time_limit_s=5, reruns=False)
-    lowest, proven, saved2, rerun2 = min_feasible_peak(cg, time_limit_s=5)
+    memo = SolveMemo()  # the second search starts from the first's plan, and the compile from both
+    low, _proven, saved, rerun = min_feasible_peak(cg, time_limit_s=5, reruns=False, memo=memo)
+    lowest, proven, saved2, rerun2 = min_feasible_peak(cg, time_limit_s=5, memo=memo)
     assert lowest <= low
     if lowest < low:
         assert rerun2 and not proven
-    m = rc.compile(model, lowest, hold_outputs=False, time_limit_s=5)
+    m = rc.compile(model, lowest, hold_outputs=False, time_limit_s=5, memo=memo)
     _step(model, lambda: m(**inputs))
     peak, grads = _step(model, lambda: m(**inputs))
     assert peak == m.plan.peak_bytes <= lowest

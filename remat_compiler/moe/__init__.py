@@ -1,6 +1,7 @@
 """Expert-parallel MoE layer and its fused combine (GEMM2 -> A2A -> weighted Unpermute).
 
-See ``shared/DESIGN.md``, section "MoE segment".
+Its recompute strategies (``moe_origin``, ``moe_fast``, ``moe_custom``, ``moe_cpsat``) are solvers:
+:mod:`remat_compiler.solvers.moe`.
 """
 
 from .combine import FusedCombine, fused_combine

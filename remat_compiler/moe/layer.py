@@ -12,6 +12,7 @@ by a fixed rule, nothing calls ``.item()`` or branches on tensor values.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "FusedCombineStep",
     "MoEStack",
     "expert_capacity",
+    "fused_combine_mode",
 ]
 
 COMBINE_MODES = ("autograd", "fused")
@@ -395,3 +397,23 @@ def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacit
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
     if combine not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
+
+
+@contextlib.contextmanager
+def fused_combine_mode(model: torch.nn.Module):
+    """Set ``combine_mode = "fused"`` on every :class:`MoELayer` of ``model``; restore it on exit.
+
+    Example
+    -------
+    >>> with fused_combine_mode(model):       # doctest: +SKIP
+    ...     traced = remat_compiler.trace(model, (x,))
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    before = [m.combine_mode for m in layers]
+    try:
+        for m in layers:
+            m.combine_mode = "fused"
+        yield model
+    finally:
+        for m, mode in zip(layers, before):
+            m.combine_mode = mode

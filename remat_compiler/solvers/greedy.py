@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.graph import CostGraph, block_boundary_set, block_classes
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
 
@@ -24,22 +25,22 @@ def _recompute_cost(cg: CostGraph, schedule, cost_of) -> float:
 
 
 def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12,
-                     cost_of=None, deadline: float | None = None) -> tuple[set[str], int]:
+                     cost_of=None, deadline: Deadline | None = None) -> tuple[set[str], int]:
     """A saved set whose simulated peak is as close to ``budget_bytes`` as greedy gets.
 
     Each round looks at the saved values live at the current peak step, tries dropping the ``width``
     cheapest per byte, and keeps the drop with the smallest marginal recompute cost (the whole
     recompute chain it causes, from the simulator) per byte the peak goes down.
 
-    ``cost_of(node)`` is the recompute cost (default: the runtime estimate). ``deadline`` (a
-    ``time.perf_counter()`` value) stops the rounds early. Returns the saved set and its simulated
+    ``cost_of(node)`` is the recompute cost (default: the runtime estimate). ``deadline`` stops the
+    rounds early. Returns the saved set and its simulated
     peak (above the budget if greedy got stuck or ran out of time).
     """
     cost_of = cost_of or _runtime(cg)
     saved = set(save_all_set(cg))
     schedule = build_schedule(cg, saved)
     sim, cost = simulate(cg, schedule), _recompute_cost(cg, schedule, cost_of)
-    while sim.peak_bytes > budget_bytes and (deadline is None or time.perf_counter() < deadline):
+    while sim.peak_bytes > budget_bytes and (deadline is None or not deadline.expired()):
         t = sim.peak_time
         live = [v for v in saved if not cg.attr(v, "never_recompute")
                 and sim.times[(v, "fw")][0] <= t <= sim.times[(v, "fw")][1]]
@@ -63,7 +64,7 @@ def greedy_saved_set(cg: CostGraph, budget_bytes: int, *, width: int = 12,
 
 
 def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
-                   cost_of=None, deadline: float | None = None) -> tuple[set[str], int]:
+                   cost_of=None, deadline: Deadline | None = None) -> tuple[set[str], int]:
     """Grow a fitting saved set: save more values, densest recompute saving per byte first.
 
     Starting from ``start`` (e.g. the per-block checkpoint plan), each group of candidates (one
@@ -83,7 +84,7 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
     order = sorted((g for g in groups if g),
                    key=lambda g: (-cost_of(g[0]) / cg.attr(g[0], "bytes"), cg.attr(g[0], "order")))
     for group in order:
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and deadline.expired():
             break
         trial = saved | set(group)
         schedule = build_schedule(cg, trial)
@@ -96,22 +97,15 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
     return saved, sim.peak_bytes
 
 
-def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None, deadline: float | None = None
+def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None, deadline: Deadline | None = None
                        ) -> tuple[set[str] | None, int]:
     """The cheapest fitting saved set among the heuristics (drop from save-all, fill from checkpoints),
-    by ``cost_of`` (default: the runtime estimate), each stopped at ``deadline`` (perf_counter time).
+    by ``cost_of`` (default: the runtime estimate), each stopped at ``deadline``.
 
     Returns ``(None, lowest peak seen)`` when none fits.
     """
     cost_of = cost_of or _runtime(cg)
-    from remat_compiler.solvers.basic import block_boundary_set
-
-    from remat_compiler.solvers.cpsat import block_classes
-
-    try:
-        start = block_boundary_set(cg)
-    except ValueError:  # no repeated blocks
-        start = None
+    start = block_boundary_set(cg)
     classes = block_classes(cg) if start is not None else []
     found = []
     if classes:  # identical blocks: fill a value in every block at once (few, cheap simulations)
@@ -129,8 +123,9 @@ def best_heuristic_set(cg: CostGraph, budget_bytes: int, cost_of=None, deadline:
     return S, peak
 
 
-def solve_greedy(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float | None = None) -> Plan:
-    """Greedy plan under ``budget_bytes`` (no optimality claim: status "feasible", gap unknown = 1.0).
+def solve_greedy(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0) -> Plan:
+    """Greedy plan under ``budget_bytes`` (no optimality claim: status "feasible", gap unknown = 1.0),
+    searched for at most ``time_limit_s`` (then the best saved set so far).
 
     Raises
     ------
@@ -142,8 +137,7 @@ def solve_greedy(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float
     if budget_bytes is None:
         saved, peak = set(save_all_set(cg)), None
     else:
-        deadline = None if time_limit_s is None else t0 + time_limit_s
-        saved, peak = best_heuristic_set(cg, budget_bytes, deadline=deadline)
+        saved, peak = best_heuristic_set(cg, budget_bytes, deadline=Deadline(time_limit_s))
         if saved is None:
             raise InfeasibleBudgetError(budget_bytes, peak, proven=False,
                                         advice="or solver='cpsat', which searches every plan")

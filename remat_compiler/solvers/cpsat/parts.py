@@ -1,53 +1,14 @@
-"""Pieces of the CP-SAT model that the full model (:mod:`.cpsat`) and the one-block models of the
-block decomposition (:mod:`.blockbound`) share: when a forward value is allocated, and at which
-backward step a recomputed value is materialised."""
+"""Pieces of the CP-SAT model that the full model (:mod:`.model`) and the one-block models of the
+block decomposition (:mod:`.blockbound`) share: when a forward value is allocated, which intervals no
+plan changes, the decisions, and at which backward step a recomputed value is materialised."""
 from __future__ import annotations
-
-import threading
 
 from ortools.sat.python import cp_model
 
-from remat_compiler.costgraph import CostGraph
-from remat_compiler.schedule import SimResult, build_schedule, save_all_set, simulate
+from remat_compiler.graph import CostGraph
+from remat_compiler.schedule import SimResult, no_recompute
 
-__all__ = ["new_solver", "run_solver", "alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
-
-
-def new_solver() -> cp_model.CpSolver:
-    """A CP-SAT solver that leaves Ctrl-C to Python (see :func:`run_solver`): by default CP-SAT
-    catches SIGINT, only ends its search early (an interrupted solve returned a plan as if nothing
-    happened) and leaves SIGINT at the system default afterwards."""
-    solver = cp_model.CpSolver()
-    solver.parameters.catch_sigint_signal = False
-    return solver
-
-
-def run_solver(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None) -> int:
-    """``solver.solve(model, callback)``, interruptible: on the main thread the solve runs on a
-    worker thread while the main thread waits, so Ctrl-C raises ``KeyboardInterrupt`` at once; the
-    search is stopped and joined first (nothing keeps running behind the exception)."""
-    if threading.current_thread() is not threading.main_thread():
-        return solver.solve(model, callback)
-    result: dict = {}
-
-    def work():
-        try:
-            result["status"] = solver.solve(model, callback)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
-            result["error"] = exc
-
-    worker = threading.Thread(target=work, name="cp-sat", daemon=True)
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.1)
-    except KeyboardInterrupt:
-        solver.stop_search()
-        worker.join()
-        raise
-    if "error" in result:
-        raise result["error"]
-    return result["status"]
+__all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
 
 
 def alloc_index(cg: CostGraph, v: str) -> int:
@@ -92,9 +53,8 @@ def fixed_intervals(cg: CostGraph) -> tuple[list[tuple[int, int, int]], SimResul
     outputs), as (start, end, bytes) on the model's time axis, from the save-all plan's simulation;
     and that simulation."""
     cands = set(cg.candidates)
-    base = simulate(cg, build_schedule(cg, save_all_set(cg)))
-    fixed = [(*base.times[key], size) for key, (_a, _z, size) in base.intervals.items()
-             if key[0] not in cands and size > 0]
+    base = no_recompute(cg)
+    fixed = [(*base.times[key], size) for key, size in base.sizes.items() if key[0] not in cands and size > 0]
     return fixed, base
 
 

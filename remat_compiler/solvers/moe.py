@@ -1,7 +1,7 @@
 """The hand-picked MoE recompute strategies as solvers: ``moe_origin``, ``moe_fast``, ``moe_custom``.
 
 Each one fixes a saved set by a rule over the MoE segments that :mod:`passes.moe` tagged
-(``cost_graph.g.nodes[n]["moe"]``) and goes through :func:`~remat_compiler.solvers.basic.fixed_plan`,
+(``cost_graph.g.nodes[n]["moe"]``) and goes through :func:`~remat_compiler.solvers.baselines.fixed_plan`,
 so it is simulated, checked and emitted like any other plan. Outside the MoE segments every strategy
 saves what backward reads there (as :func:`~remat_compiler.schedule.save_all_set` does); inside:
 
@@ -14,8 +14,8 @@ saves what backward reads there (as :func:`~remat_compiler.schedule.save_all_set
                 (Megatron ``moe_act``)
 ``moe_custom``  ``moe_fast`` over the graph traced with the fused GEMM2 -> A2A -> Unpermute
                 (``MoELayer(combine="fused")``), whose backward never needs the expert output y:
-                ``solve_moe_custom.prepare_model`` switches every MoELayer to ``combine="fused"``
-                while the step is traced
+                its registry entry's ``prepare`` (:func:`~remat_compiler.moe.layer.fused_combine_mode`)
+                switches every MoELayer to ``combine="fused"`` while the step is traced
 ``moe_cpsat``   CP-SAT (``solve_cpsat``, same options) over the fused-combine graph
 ==============  ===================================================================================
 
@@ -29,22 +29,18 @@ Example
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
 
-import torch
 
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.errors import StrategyNotApplicableError
+from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import save_all_set
-from remat_compiler.solvers import register_solver
-from remat_compiler.solvers.basic import fixed_plan
+from remat_compiler.solvers.baselines import fixed_plan
 from remat_compiler.solvers.cpsat import solve_cpsat
 
-from .layer import MoELayer
-
-__all__ = ["moe_segments", "segment_inputs", "origin_saved_set", "fast_saved_set", "fused_combine_mode",
+__all__ = ["moe_segments", "segment_inputs", "origin_saved_set", "fast_saved_set",
            "solve_moe_origin", "solve_moe_fast", "solve_moe_custom", "solve_moe_cpsat"]
 
 
@@ -88,9 +84,9 @@ def segment_inputs(cg: CostGraph, roles: dict[str, list[str]]) -> list[str]:
 def _segments_or_raise(cg: CostGraph, name: str) -> dict[str, dict[str, list[str]]]:
     segments = moe_segments(cg)
     if not segments:
-        raise ValueError(f"{name} needs an MoE block in the model (remat_compiler.moe.MoELayer or "
-                         f"transformers' MixtralSparseMoeBlock); none was found in the traced graph. "
-                         f"Use solver='cpsat' for other models")
+        raise StrategyNotApplicableError(
+            f"{name} needs an MoE block in the model (remat_compiler.moe.MoELayer or transformers' "
+            f"MixtralSparseMoeBlock); none was found in the traced graph. Use solver='cpsat' for other models")
     return segments
 
 
@@ -112,7 +108,7 @@ def origin_saved_set(cg: CostGraph) -> list[str]:
 
     Raises
     ------
-    ValueError
+    StrategyNotApplicableError
         If the graph has no MoE segment.
     """
     segments = _segments_or_raise(cg, "moe_origin")
@@ -129,7 +125,7 @@ def fast_saved_set(cg: CostGraph, *, name: str = "moe_fast") -> list[str]:
 
     Raises
     ------
-    ValueError
+    StrategyNotApplicableError
         If the graph has no MoE segment, or a segment's expert GEMMs were not recognised.
     """
     segments = _segments_or_raise(cg, name)
@@ -137,8 +133,9 @@ def fast_saved_set(cg: CostGraph, *, name: str = "moe_fast") -> list[str]:
     keep = []
     for seg, roles in segments.items():
         if not roles.get("act") or not roles.get("gemm1"):
-            raise ValueError(f"{name}: MoE segment {seg!r} has no recognised GEMM1 / activation "
-                             f"(its experts module needs exactly two expert GEMMs); use solver='cpsat'")
+            raise StrategyNotApplicableError(
+                f"{name}: MoE segment {seg!r} has no recognised GEMM1 / activation (its experts module "
+                f"needs exactly two expert GEMMs); use solver='cpsat'")
         act.update(roles["act"])
         keep += _owners(cg, roles["gemm1"])
     pinned = [n for n in act if cg.attr(n, "never_recompute")]
@@ -146,7 +143,7 @@ def fast_saved_set(cg: CostGraph, *, name: str = "moe_fast") -> list[str]:
     return list(dict.fromkeys(saved))
 
 
-def solve_moe_origin(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
+def solve_moe_origin(cg: CostGraph, budget_bytes: int | None) -> Plan:
     """Checkpoint each whole MoE segment: save its input and routing, recompute the rest.
 
     Parameters
@@ -162,7 +159,7 @@ def solve_moe_origin(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
 
     Raises
     ------
-    ValueError
+    StrategyNotApplicableError
         If the graph has no MoE segment.
     StrategyOverBudgetError
         If the plan's peak is above ``budget_bytes`` (it names the strategy's own peak).
@@ -171,7 +168,7 @@ def solve_moe_origin(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
     return fixed_plan(cg, origin_saved_set(cg), budget_bytes, "moe_origin", t0)
 
 
-def solve_moe_fast(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
+def solve_moe_fast(cg: CostGraph, budget_bytes: int | None) -> Plan:
     """Recompute only the activation (SwiGLU) of each MoE segment, from GEMM1's saved output.
 
     Parameters, returns and raises as :func:`solve_moe_origin`.
@@ -184,19 +181,20 @@ def _require_fused(cg: CostGraph, name: str) -> None:
     segments = _segments_or_raise(cg, name)
     for seg, roles in segments.items():
         if not any(cg.attr(n, "moe")["fused"] for n in _members(roles)):
-            raise ValueError(
+            raise StrategyNotApplicableError(
                 f"{name}: MoE segment {seg!r} was not traced with the fused combine (only "
                 f"remat_compiler.moe.MoELayer has one, and compile(..., solver={name!r}) traces every "
                 f"MoELayer with combine='fused'); use solver='moe_fast' or 'cpsat' for this model")
 
 
-def solve_moe_custom(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
+def solve_moe_custom(cg: CostGraph, budget_bytes: int | None) -> Plan:
     """``moe_fast`` over the fused GEMM2 -> A2A -> Unpermute: the expert output y is never saved.
 
-    ``solve_moe_custom.prepare_model`` (:func:`fused_combine_mode`) makes :func:`remat_compiler.compile`
-    and :func:`remat_compiler.plan_model` trace every MoELayer with ``combine="fused"``.
+    Its registry entry's ``prepare`` (:func:`remat_compiler.moe.layer.fused_combine_mode`) makes
+    :func:`remat_compiler.compile` and :func:`remat_compiler.plan_model` trace every MoELayer with
+    ``combine="fused"``.
 
-    Parameters, returns and raises as :func:`solve_moe_origin`; also raises ValueError if a segment
+    Parameters, returns and raises as :func:`solve_moe_origin`; also raises StrategyNotApplicableError if a segment
     was traced without the fused combine.
     """
     t0 = time.perf_counter()
@@ -209,41 +207,10 @@ def solve_moe_cpsat(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:
 
     Raises
     ------
-    ValueError
+    StrategyNotApplicableError
         If a segment was traced without the fused combine.
     InfeasibleBudgetError
         As ``solve_cpsat``.
     """
     _require_fused(cg, "moe_cpsat")
-    plan = solve_cpsat(cg, budget_bytes, **opts)
-    plan.solver = "moe_cpsat"
-    return plan
-
-
-@contextlib.contextmanager
-def fused_combine_mode(model: torch.nn.Module):
-    """Set ``combine_mode = "fused"`` on every :class:`MoELayer` of ``model``; restore it on exit.
-
-    Example
-    -------
-    >>> with fused_combine_mode(model):       # doctest: +SKIP
-    ...     gm, cg = remat_compiler.analyze(model, (x,))
-    """
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    before = [m.combine_mode for m in layers]
-    try:
-        for m in layers:
-            m.combine_mode = "fused"
-        yield model
-    finally:
-        for m, mode in zip(layers, before):
-            m.combine_mode = mode
-
-
-solve_moe_custom.prepare_model = fused_combine_mode
-solve_moe_cpsat.prepare_model = fused_combine_mode
-
-register_solver("moe_origin", solve_moe_origin)
-register_solver("moe_fast", solve_moe_fast)
-register_solver("moe_custom", solve_moe_custom)
-register_solver("moe_cpsat", solve_moe_cpsat)
+    return solve_cpsat(cg, budget_bytes, solver_name="moe_cpsat", **opts)

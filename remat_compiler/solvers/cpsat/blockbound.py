@@ -60,13 +60,14 @@ from functools import reduce
 
 from ortools.sat.python import cp_model
 
-from remat_compiler.costgraph import CostGraph
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import CostGraph, block_stack, representative_block
 from remat_compiler.schedule import bw_time
-from remat_compiler.solvers.blockwise import block_stack
-from remat_compiler.solvers.cpmodel import (add_decisions, add_first_need, alloc_index, fixed_intervals,
-                                           is_const, new_solver, run_solver, storage_readers)
+from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, alloc_index, fixed_intervals,
+                                                is_const, storage_readers)
+from remat_compiler.solvers.cpsat.run import new_solver, run_solver
 
-__all__ = ["BlockBound", "block_bound", "clear_menus"]
+__all__ = ["BlockBound", "block_bound"]
 
 
 @dataclass
@@ -91,6 +92,7 @@ class _Layout:
         if stack is None:
             return
         self.F, self.B = len(cg.fw_order), len(cg.bw_order)
+        self.stack = stack
         self.blocks = stack.blocks
         L = self.L = len(stack.blocks)
         index = {b: k for k, b in enumerate(stack.blocks)}
@@ -330,7 +332,7 @@ def _clone_var(m: cp_model.CpModel, v):
 
 
 @dataclass
-class _Option:
+class _MenuPoint:
     """A point of a block's menu: its measures (bytes) and the block plan reaching them."""
 
     H: int
@@ -339,7 +341,7 @@ class _Option:
     saved: frozenset[int]  # positions in the block's node list
 
 
-def _staircase(bm: _BlockModel, measure, deadline: float, H_cap: int | None = None):
+def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None):
     """Block plans along the exact staircase of ``x -> least cost with measure <= x`` (and
     ``H <= H_cap``, in the model's units): each solve minimises cost, then the measure; the next
     asks for a smaller measure. Returns the options, or None if a solve is not proven optimal by
@@ -349,7 +351,7 @@ def _staircase(bm: _BlockModel, measure, deadline: float, H_cap: int | None = No
     pos = {v: i for i, v in enumerate(bm.nodes)}
     options, cap = [], None
     while True:
-        left = deadline - time.perf_counter()
+        left = deadline.left()
         if left <= 0:
             return None
         m = bm.model.clone()
@@ -370,7 +372,7 @@ def _staircase(bm: _BlockModel, measure, deadline: float, H_cap: int | None = No
         if status != cp_model.OPTIMAL:
             return None
         cost, x = divmod(int(round(solver.objective_value)), hi + 1)
-        options.append(_Option(
+        options.append(_MenuPoint(
             H=solver.value(_clone_var(m, bm.H)) * bm.unit, W=solver.value(_clone_var(m, bm.W)) * bm.unit,
             cost=cost,
             saved=frozenset(pos[v] for v, var in bm.s.items() if solver.value(_clone_var(m, var)))))
@@ -379,13 +381,13 @@ def _staircase(bm: _BlockModel, measure, deadline: float, H_cap: int | None = No
         cap = x - 1
 
 
-def _least(bm: _BlockModel, measure, deadline: float) -> int | None:
+def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
     """The least value of ``measure`` over the block's plans, in bytes (None: not proven in time)."""
     m = bm.model.clone()
     m.minimize(_clone_var(m, measure))
     solver = new_solver()
     solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
+    solver.parameters.max_time_in_seconds = max(0.01, deadline.left())
     if run_solver(solver, m) != cp_model.OPTIMAL:
         return None
     return int(round(solver.objective_value)) * bm.unit
@@ -404,7 +406,7 @@ class _Menu:
     total bounds every plan's.
     """
 
-    def __init__(self, bm: _BlockModel, bm_h: _BlockModel, sizes: list[int], deadline: float):
+    def __init__(self, bm: _BlockModel, bm_h: _BlockModel, sizes: list[int], deadline: Deadline):
         self.bm = bm
         self.levels = _staircase(bm_h, bm_h.H, deadline)  # the memory profile plays no part in H
         self.w_min = _least(bm, bm.W, deadline) if self.levels is not None else None
@@ -417,7 +419,7 @@ class _Menu:
         cuts = [g - bm.unit for g in range(granule, top + granule, granule) if g - bm.unit < top]
         edges = [-1] + cuts + [top]
         self.edges = sorted(set(edges))  # band b: (edges[b], edges[b + 1]]
-        self.bands: dict[int, list[_Option]] = {}
+        self.bands: dict[int, list[_MenuPoint]] = {}
 
     def _label(self, b: int) -> int:
         """The least H of band b's plans (H is a multiple of the unit, above the band's lower edge)."""
@@ -426,7 +428,7 @@ class _Menu:
     def _least_cost(self, h: int) -> int:
         return min(o.cost for o in self.levels if o.H <= h)
 
-    def options(self) -> tuple[list[_Option], list[int | None]]:
+    def options(self) -> tuple[list[_MenuPoint], list[int | None]]:
         """The current menu and, per option, the band it stands in for (None: refined)."""
         menu, stand = [], []
         for b in range(len(self.edges) - 1):
@@ -437,11 +439,11 @@ class _Menu:
                 menu.extend(self.bands[b])
                 stand.extend([None] * len(self.bands[b]))
             else:
-                menu.append(_Option(H=self._label(b), W=self.w_min, cost=self._least_cost(hi), saved=None))
+                menu.append(_MenuPoint(H=self._label(b), W=self.w_min, cost=self._least_cost(hi), saved=None))
                 stand.append(b)
         return menu, stand
 
-    def refine(self, bands, deadline: float, workers: int = 2) -> bool:
+    def refine(self, bands, deadline: Deadline, workers: int = 2) -> bool:
         """Compute these bands' staircases (in parallel: CP-SAT releases the GIL); False if one is
         not proven in time."""
         bm = self.bm
@@ -450,7 +452,7 @@ class _Menu:
             points = _staircase(bm, bm.W, deadline, H_cap=self.edges[b + 1] // bm.unit)
             if points is None:
                 return b, None
-            return b, [_Option(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved) for o in points]
+            return b, [_MenuPoint(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved) for o in points]
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
             done = list(pool.map(band, sorted(bands)))
@@ -486,7 +488,7 @@ class _Frame:
         self.head = max(load(t) for t in times)
 
 
-def _compose(menu: list[_Option], frame: _Frame, budget: int):
+def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int):
     """Least summed cost of one option per block with, for every block ``m``,
     ``W_m + off_m + sum_{j<m} H_j`` and ``forward_m + sum_{j<m} H_j`` within the budget, and
     ``head + sum_j H_j`` too: a dynamic programme over blocks in forward order on the Pareto front
@@ -524,16 +526,7 @@ def _compose(menu: list[_Option], frame: _Frame, budget: int):
     return cost, choice[::-1]
 
 
-#: Block menus by (graph fingerprint, cost key, block costs): they do not depend on the budget.
-_MENUS: dict[tuple, _Menu] = {}
-
-
-def clear_menus() -> None:
-    """Forget the kept block menus (the next solve builds its menu anew: a cold start)."""
-    _MENUS.clear()
-
-
-def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: float = 10.0,
+def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline, menus: dict | None = None,
                 cost_key=None, min_blocks: int = 3) -> BlockBound | None:
     """A lower bound on the summed ``cost_of`` of every plan of the CP-SAT model that fits
     ``budget_bytes``, and its choice composed into a saved set (see the module docstring).
@@ -543,21 +536,22 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: floa
     only (then it is the least total of the full menu). A band left unrefined when the time is up
     still stands for its plans, so the bound stays valid, only weaker, and no saved set is given.
     None when the graph has fewer than ``min_blocks`` identical blocks, they differ in what the
-    decomposition uses, or the first staircases are not proven within ``time_limit_s``. The menu
-    is kept per graph and ``cost_key`` (the objective; None: not kept).
+    decomposition uses, or the first staircases are not proven by the ``deadline``. The menu does
+    not depend on the budget: it is kept in ``menus`` (a :class:`~.memo.SolveMemo`'s), by graph,
+    ``cost_key`` (the objective) and the block's costs, when both are given.
     """
     t_start = time.perf_counter()
-    deadline = t_start + time_limit_s
     lay = _Layout(cg)
     if not lay.ok or lay.L < min_blocks:
         return None
     fixed = _fixed_intervals(cg, lay)
-    k = lay.L // 2
+    k = representative_block(lay.stack)
     frame = _Frame(cg, lay, fixed, k)
     # the fingerprint does not cover costs (a runtime estimate depends on the cost model): key on
     # the reference block's costs too
     key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]))
-    menu = _MENUS.get(key) if cost_key is not None else None
+    keep = menus is not None and cost_key is not None
+    menu = menus.get(key) if keep else None
     if menu is None:
         cands = set(cg.candidates)
         sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in cands]
@@ -565,8 +559,8 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, time_limit_s: floa
                      _BlockModel(cg, lay, k, cost_of, fixed, memory=False), sizes, deadline)
         if not menu.ok:
             return None
-        if cost_key is not None:
-            _MENUS[key] = menu
+        if keep:
+            menus[key] = menu
     while True:
         options, stand = menu.options()
         found = _compose(options, frame, budget_bytes)

@@ -15,6 +15,7 @@ the forward's liveness alone (:meth:`CostGraph.fw_preds`). Node attributes come 
 ``runtime_s``      roofline runtime estimate, communication included
 ``comm_bytes``     bytes a collective moves
 ``never_recompute``  random, mutating or side-effecting op
+``reason``         why it is never recomputed (None otherwise)
 ``is_tuple``       multi-output node (its tensors belong to its getitem users)
 ``fw_only_reads``  inputs only the node's forward run reads (not a recomputation of it)
 ``op``, ``shape``, ``dtype``, ``module``, ``block``, ``moe``  for people and hand-picked strategies
@@ -55,26 +56,31 @@ class CostGraph:
 
     def __init__(self, g: nx.DiGraph):
         self.g = g
+        #: facts the layers above derive from the graph once (the no-recompute simulation:
+        #: :func:`remat_compiler.schedule.no_recompute`); the graph does not change after it is built
+        self.derived: dict[str, object] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_graph_module(cls, gm: fx.GraphModule, *, hold_outputs: bool = True) -> "CostGraph":
+    def from_graph_module(cls, gm: fx.GraphModule) -> "CostGraph":
         """Build the CostGraph of a joint graph that :func:`passes.run_passes` annotated.
 
-        ``hold_outputs``: True (the safe default) if the caller keeps the model's outputs alive until
-        backward ends (``out = model(x); loss_fn(out).backward()``); False if it lets them go before
-        backward (``model(x).loss.backward()``): then they are values like any other, saved, freed
-        or recomputed as the plan decides.
+        Whether the caller keeps the model's outputs alive until backward ends is the trace's
+        ``gm.meta["remat.hold_outputs"]`` (:func:`remat_compiler.trace.annotate_joint`): if not, they are
+        values like any other, saved, freed or recomputed as the plan decides.
 
         Raises
         ------
         ValueError
-            If the graph lacks the ``remat.*`` annotations (run the passes first).
+            If the graph lacks the ``remat.*`` annotations (trace it and run the passes first).
         """
         g = nx.DiGraph()
         num_fwd = gm.meta.get("remat.num_fwd_outputs")
         if num_fwd is None:
             raise ValueError("graph is not annotated: run passes.run_passes(gm, num_fwd_outputs=...) first")
+        if "remat.hold_outputs" not in gm.meta:
+            raise ValueError("graph does not say whether the caller holds its outputs: trace it with "
+                             "remat_compiler.trace (or annotate_joint) first")
         for i, n in enumerate(gm.graph.nodes):
             if n.op == "output":
                 outs = list(n.args[0])
@@ -110,7 +116,7 @@ class CostGraph:
                     g.add_edge(a.name, n.name)
         g.graph["input_updates"] = sorted(gm.meta.get("remat.input_updates", ()))
         g.graph["block_container"] = gm.meta.get("remat.block_container")
-        g.graph["hold_outputs"] = bool(hold_outputs)
+        g.graph["hold_outputs"] = bool(gm.meta["remat.hold_outputs"])
         cg = cls(g)
         g.graph["fingerprint"] = cg._compute_fingerprint()
         return cg
@@ -224,7 +230,8 @@ class CostGraph:
     # ------------------------------------------------------------------ derived sets
     @property
     def hold_outputs(self) -> bool:
-        return self.g.graph.get("hold_outputs", True)
+        """Whether the caller keeps the model's outputs through backward (the trace's answer)."""
+        return self.g.graph["hold_outputs"]
 
     @cached_property
     def held_storages(self) -> frozenset[str]:
@@ -264,9 +271,6 @@ class CostGraph:
             return True
         st = node["storage"]
         return st is not None and st == name and st in self.held_storages
-
-    def recompute_cost_s(self, name: str) -> float:
-        return self.g.nodes[name]["runtime_s"]
 
     def summary(self) -> dict:
         """Counts and totals, for logs and the CLI."""

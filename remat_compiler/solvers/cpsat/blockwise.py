@@ -21,53 +21,16 @@ start on big graphs, where the full model cannot be searched within seconds.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from remat_compiler.costgraph import CostGraph
-from remat_compiler.schedule import build_schedule, simulate
-from remat_compiler.solvers.cpmodel import new_solver, run_solver
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import BlockStack, CostGraph, block_stack, representative_block
+from remat_compiler.schedule import build_schedule, peak_of, simulate
+from remat_compiler.solvers.cpsat.run import make_solver, run_solver
 
-__all__ = ["BlockStack", "identical_blocks", "block_stack", "blockwise_saved_set"]
-
-@dataclass
-class BlockStack:
-    """The largest group of identical blocks: names in forward order and the aligned candidates.
-
-    ``positions[p][k]`` is the p-th candidate of block ``blocks[k]``.
-    """
-
-    blocks: list[str]
-    positions: list[tuple[str, ...]]
-
-
-def identical_blocks(cg: CostGraph) -> list[BlockStack]:
-    """Every group of 2 or more identical blocks (``remat.block``s whose forward nodes have the same
-    ops, shapes and dtypes in the same order), largest first, with their aligned candidates."""
-    nodes: dict[str, list[str]] = {}
-    for n in cg.fw_order:
-        b = cg.attr(n, "block")
-        if b is not None:
-            nodes.setdefault(b, []).append(n)
-    groups: dict[tuple, list[str]] = {}
-    for b, ns in nodes.items():
-        sig = tuple((cg.attr(n, "op"), cg.attr(n, "shape"), cg.attr(n, "dtype")) for n in ns)
-        groups.setdefault(sig, []).append(b)
-    cand = set(cg.candidates)
-    stacks = []
-    for blocks in sorted(groups.values(), key=len, reverse=True):
-        if len(blocks) >= 2:
-            positions = [p for p in zip(*(nodes[b] for b in blocks)) if all(v in cand for v in p)]
-            stacks.append(BlockStack(blocks=blocks, positions=positions))
-    return stacks
-
-
-def block_stack(cg: CostGraph) -> BlockStack | None:
-    """The graph's largest group of identical blocks, or None."""
-    stacks = identical_blocks(cg)
-    return stacks[0] if stacks else None
+__all__ = ["blockwise_saved_set"]
 
 
 class _LocalBlock:
@@ -141,7 +104,7 @@ def _menu(cg: CostGraph, stack: BlockStack, base: set[str], cost_of) -> list[fro
     include none and all of the positions.
     """
     free = [i for i, p in enumerate(stack.positions) if not set(p) & base]
-    local = _LocalBlock(cg, stack, len(stack.blocks) // 2, base, cost_of)
+    local = _LocalBlock(cg, stack, representative_block(stack), base, cost_of)
     options: list[frozenset[int]] = []
     for path in (_greedy_family(local, free, set(free), grow=False),
                  _greedy_family(local, free, set(), grow=True)):
@@ -152,7 +115,7 @@ def _menu(cg: CostGraph, stack: BlockStack, base: set[str], cost_of) -> list[fro
 
 
 @dataclass
-class _Option:
+class _BlockOption:
     saved: set[str]
     cost: int           # recompute cost of one block
     idle_bytes: int     # S: the most a block holds while idle
@@ -195,7 +158,7 @@ def _windows(cg: CostGraph, stack: BlockStack):
 
 
 def _evaluate(cg: CostGraph, stack: BlockStack, saved: set[str], windows, window_of, fw_end, bw_start,
-              cost_of) -> _Option:
+              cost_of) -> _BlockOption:
     """Simulate a uniform option; split each event's live bytes into idle blocks' and the rest."""
     schedule = build_schedule(cg, saved)
     sim = simulate(cg, schedule)
@@ -219,7 +182,7 @@ def _evaluate(cg: CostGraph, stack: BlockStack, saved: set[str], windows, window
         a, z = max(a, lo), min(z, hi)
         if a > z:
             continue
-        size = sim.intervals[key][2]
+        size = sim.sizes[key]
         idle_diff[a] += size
         idle_diff[z + 1] -= size
         per_block.setdefault(k, []).extend([(a, size), (z + 1, -size)])
@@ -235,14 +198,13 @@ def _evaluate(cg: CostGraph, stack: BlockStack, saved: set[str], windows, window
         idle += idle_diff[e]
         w = window_of[checkpoint[e]]
         window_peak[w] = max(window_peak[w], live - idle)
-    mid = len(stack.blocks) // 2
-    rep = stack.blocks[mid]
+    rep = stack.blocks[representative_block(stack)]
     cost = sum(cost_of(n) for n in schedule.recomputed if cg.attr(n, "block") == rep)
-    return _Option(saved=set(schedule.saved), cost=cost, idle_bytes=idle_bytes, window_peak=window_peak,
+    return _BlockOption(saved=set(schedule.saved), cost=cost, idle_bytes=idle_bytes, window_peak=window_peak,
                    peak=sim.peak_bytes)
 
 
-def _choose(options: list[_Option], windows, n_blocks: int, cap: int, time_limit_s: float):
+def _choose(options: list[_BlockOption], windows, n_blocks: int, cap: int, seconds: float, deadline: Deadline):
     """One option per block: least total cost with every window within ``cap``, and its predicted
     peak; None if none fits."""
     m = cp_model.CpModel()
@@ -260,17 +222,15 @@ def _choose(options: list[_Option], windows, n_blocks: int, cap: int, time_limit
         else:
             m.add(sum(o.window_peak[w] * x[active][i] for i, o in enumerate(options)) + idle_sum <= cap)
     m.minimize(sum(o.cost * x[k][i] for k in range(n_blocks) for i, o in enumerate(options)))
-    solver = new_solver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
-    solver.parameters.num_workers = 2
-    status = run_solver(solver, m)
+    solver = make_solver(max(0.1, seconds), 2, deadline.deterministic)
+    status = run_solver(solver, m, deadline=deadline)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     choice = [next(i for i in range(len(options)) if solver.value(x[k][i])) for k in range(n_blocks)]
     return choice, _predicted_peak(options, windows, choice)
 
 
-def _predicted_peak(options: list[_Option], windows, choice: list[int]) -> int:
+def _predicted_peak(options: list[_BlockOption], windows, choice: list[int]) -> int:
     """The decomposition's peak of a choice: its largest window."""
     peak = 0
     for w, (active, idle) in enumerate(windows):
@@ -279,7 +239,7 @@ def _predicted_peak(options: list[_Option], windows, choice: list[int]) -> int:
     return peak
 
 
-def blockwise_saved_set(cg: CostGraph, budget_bytes: int, base, cost_of, *, time_limit_s: float = 5.0,
+def blockwise_saved_set(cg: CostGraph, budget_bytes: int, base, cost_of, *, deadline: Deadline,
                         tries: int = 6) -> set[str] | None:
     """A saved set fitting ``budget_bytes`` composed of per-block options, or None.
 
@@ -292,10 +252,9 @@ def blockwise_saved_set(cg: CostGraph, budget_bytes: int, base, cost_of, *, time
         outside the blocks).
     cost_of : callable
         Recompute cost of a node (the solver's objective).
-    time_limit_s : float
-        Rough bound on the whole call (simulations included).
+    deadline : Deadline
+        Bounds the whole call, simulations included (the menu gets 60% of it).
     """
-    t0 = time.perf_counter()
     stack = block_stack(cg)
     if stack is None:
         return None
@@ -306,22 +265,21 @@ def blockwise_saved_set(cg: CostGraph, budget_bytes: int, base, cost_of, *, time
     for opt in menu:
         saved = base | {v for i in opt for v in stack.positions[i]}
         options.append(_evaluate(cg, stack, saved, windows, window_of, fw_end, bw_start, cost_of))
-        if time.perf_counter() - t0 > 0.6 * time_limit_s and len(options) >= 2:
+        if deadline.elapsed() > 0.6 * deadline.seconds and len(options) >= 2:
             break
     n = len(stack.blocks)
     pos_of = {v: (p, k) for p, pos in enumerate(stack.positions) for k, v in enumerate(pos)}
     uniform = min((o for o in options if o.peak <= budget_bytes), key=lambda o: o.cost, default=None)
     cap = budget_bytes
     for _ in range(tries):
-        left = time_limit_s - (time.perf_counter() - t0)
-        found = _choose(options, windows, n, cap, min(2.0, max(0.2, left)))
+        found = _choose(options, windows, n, cap, min(2.0, max(0.2, deadline.left())), deadline)
         if found is None or (uniform is not None and uniform.cost * n <= sum(options[i].cost for i in found[0])):
             break
         choice, predicted = found
         saved = {v for v in base if v not in pos_of}
         for k, i in enumerate(choice):
             saved |= {v for v in options[i].saved if v in pos_of and pos_of[v][1] == k}
-        peak = simulate(cg, build_schedule(cg, saved)).peak_bytes
+        peak = peak_of(cg, saved)
         if peak <= budget_bytes:
             return saved
         # the mix peaks above its prediction: ask for a mix predicted lower by at least the excess

@@ -14,10 +14,9 @@ is the simulator's, so it is exact by construction.
 """
 from __future__ import annotations
 
-import time
-
-from remat_compiler.costgraph import CostGraph
-from remat_compiler.schedule import build_schedule, rerunnable, simulate
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import CostGraph
+from remat_compiler.schedule import build_schedule, bw_step_of, rerunnable, simulate
 
 __all__ = ["lower_peak"]
 
@@ -27,7 +26,7 @@ def _key(sim, cost: float):
     return (sim.peak_bytes, at_peak, cost)
 
 
-def lower_peak(cg: CostGraph, saved, rerun=(), *, cost_of=None, time_limit_s: float = 10.0,
+def lower_peak(cg: CostGraph, saved, rerun=(), *, cost_of=None, deadline: Deadline | None = None,
                max_moves: int = 200):
     """Add reruns to the plan ``saved`` (+ ``rerun``) until nothing lowers its peak further, or the
     time is up.
@@ -43,7 +42,6 @@ def lower_peak(cg: CostGraph, saved, rerun=(), *, cost_of=None, time_limit_s: fl
         The effective reruns and the simulation of the resulting plan.
     """
     cost_of = cost_of or (lambda n: cg.attr(n, "runtime_s"))
-    t0 = time.perf_counter()
     F = len(cg.fw_order)
     B = len(cg.bw_order)
 
@@ -56,12 +54,12 @@ def lower_peak(cg: CostGraph, saved, rerun=(), *, cost_of=None, time_limit_s: fl
     schedule, sim, cost = evaluate(list(rerun))
     best = _key(sim, cost)
     for _ in range(max_moves):
-        if time.perf_counter() - t0 > time_limit_s:
+        if deadline is not None and deadline.expired():
             break
         t = sim.peak_time
         if t < F:
             break  # a forward peak: reruns change only the backward
-        j = (t - F) // (F + 1)
+        j = bw_step_of(F, t)
         peak_reads = {cg.storage(p) for p in cg.preds(sim.peak_node)} if sim.peak_node else set()
         tried = []
         for v, kind in sim.live_at(t):
@@ -81,7 +79,7 @@ def lower_peak(cg: CostGraph, saved, rerun=(), *, cost_of=None, time_limit_s: fl
             k = _key(sim2, cost2)
             if k[:2] < best[:2] and (found is None or k < found[0]):
                 found = (k, sch2, sim2, cost2)
-            if time.perf_counter() - t0 > time_limit_s:
+            if deadline is not None and deadline.expired():
                 break
         if found is None:
             break

@@ -1,0 +1,168 @@
+"""Running CP-SAT: the one clock of a solve, solver settings, Ctrl-C, and the context every step reads.
+
+A :class:`~remat_compiler.clock.Deadline` is made once per
+:func:`~remat_compiler.solvers.cpsat.solve_cpsat` call from its ``time_limit_s`` and handed down in
+the :class:`Job`; every phase takes its time as a slice of what is left.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from ortools.sat.python import cp_model
+
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import CostGraph
+from remat_compiler.schedule import build_schedule
+from remat_compiler.solvers.cpsat.costs import cost_units
+from remat_compiler.solvers.cpsat.memo import SolveMemo
+
+__all__ = ["Job", "new_solver", "make_solver", "run_solver", "Progress"]
+
+def new_solver() -> cp_model.CpSolver:
+    """A CP-SAT solver that leaves Ctrl-C to Python (see :func:`run_solver`): by default CP-SAT
+    catches SIGINT, only ends its search early (an interrupted solve returned a plan as if nothing
+    happened) and leaves SIGINT at the system default afterwards."""
+    solver = cp_model.CpSolver()
+    solver.parameters.catch_sigint_signal = False
+    return solver
+
+
+def make_solver(seconds: float, num_workers: int | None, deterministic: bool, seed: int = 0
+                ) -> cp_model.CpSolver:
+    """A solver for a search of ``seconds`` (deterministic time with ``deterministic``, when the
+    wall-clock limit is four times that, a guard only)."""
+    solver = new_solver()
+    workers = num_workers if num_workers is not None else 8
+    solver.parameters.num_workers = workers
+    if deterministic:
+        solver.parameters.max_deterministic_time = float(seconds)
+        solver.parameters.interleave_search = workers > 1
+    solver.parameters.max_time_in_seconds = float(seconds) * (4 if deterministic else 1)
+    solver.parameters.random_seed = seed
+    return solver
+
+
+def run_solver(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None,
+               deadline: Deadline | None = None) -> int:
+    """``solver.solve(model, callback)``, interruptible, and charged to ``deadline``.
+
+    On the main thread the solve runs on a worker thread while the main thread waits, so Ctrl-C
+    raises ``KeyboardInterrupt`` at once; the search is stopped and joined first (nothing keeps
+    running behind the exception).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        status = solver.solve(model, callback)
+    else:
+        status = _solve_interruptibly(solver, model, callback)
+    if deadline is not None:
+        deadline.charge(solver.response_proto.deterministic_time)
+    return status
+
+
+def _solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel, callback) -> int:
+    result: dict = {}
+
+    def work():
+        try:
+            result["status"] = solver.solve(model, callback)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            result["error"] = exc
+
+    worker = threading.Thread(target=work, name="cp-sat", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        solver.stop_search()
+        worker.join()
+        raise
+    if "error" in result:
+        raise result["error"]
+    return result["status"]
+
+
+class Progress(cp_model.CpSolverSolutionCallback):
+    """Reports elapsed time, best cost and bound to a callback as solutions arrive."""
+
+    def __init__(self, report, floor: float | None = None):
+        super().__init__()
+        self._report = report
+        self._t0 = time.perf_counter()
+        self._floor = floor or 0.0  # a bound known from elsewhere (the LP relaxation)
+
+    def on_solution_callback(self) -> None:
+        self.report(self.objective_value, max(self.best_objective_bound, self._floor))
+
+    def report(self, objective: float, bound: float) -> None:
+        """Report a solution of cost ``objective`` with a lower bound ``bound`` (model units)."""
+        gap = 0.0 if objective == 0 else max(0.0, objective - bound) / max(abs(objective), 1e-9)
+        self._report({"elapsed_s": time.perf_counter() - self._t0, "objective": objective,
+                      "bound": bound, "gap": gap})
+
+
+@dataclass
+class Job:
+    """One CP-SAT solve: the graph, the budget, the options, the clock and the memo every step reads.
+
+    Attributes
+    ----------
+    cg : CostGraph
+    budget_bytes : int | None
+    objective : "runtime" | "flops"
+    deadline : Deadline
+    memo : SolveMemo
+        Plans met earlier on this graph (a fresh one per call unless the caller owns one).
+    forced_saved, forbidden_saved : tuple of str
+        A policy's hard decisions.
+    num_workers : int | None
+    reruns : bool
+        Whether plans may recompute a value more than once.
+    """
+
+    cg: CostGraph
+    budget_bytes: int | None
+    objective: str
+    deadline: Deadline
+    memo: SolveMemo = field(default_factory=SolveMemo)
+    forced_saved: tuple = ()
+    forbidden_saved: tuple = ()
+    num_workers: int | None = None
+    reruns: bool = True
+
+    @property
+    def deterministic(self) -> bool:
+        return self.deadline.deterministic
+
+    def with_deadline(self, deadline: Deadline) -> "Job":
+        """The same job on another clock (a phase's part of this one's)."""
+        return replace(self, deadline=deadline)
+
+    def cost_of(self, n: str) -> int:
+        """A node's recompute cost in the objective's integer units."""
+        return cost_units(self.cg, n, self.objective)
+
+    def cost(self, saved, rerun=()) -> int:
+        """The objective value of the plan that saves ``saved`` (and reruns ``rerun``)."""
+        return sum(self.cost_of(n) for n in self.recomputed(saved, rerun))
+
+    def recomputed(self, saved, rerun=()) -> list[str]:
+        """What the plan that saves ``saved`` (and reruns ``rerun``) recomputes."""
+        return build_schedule(self.cg, saved, rerun).recomputed
+
+    def complies(self, saved) -> bool:
+        """Whether a saved set honours the policy's forced and forbidden saves."""
+        saved = set(saved)
+        return set(self.forced_saved) <= saved and not saved & set(self.forbidden_saved)
+
+    def solve(self, model: cp_model.CpModel, seconds: float, *, callback=None, seed: int = 0,
+              deadline: Deadline | None = None) -> tuple[int, cp_model.CpSolver]:
+        """Search ``model`` for ``seconds`` (charged to ``deadline``, default the job's);
+        returns (status, solver)."""
+        solver = make_solver(seconds, self.num_workers, self.deterministic, seed)
+        status = run_solver(solver, model, callback, deadline or self.deadline)
+        if status == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"CP-SAT model invalid: {model.validate()}")
+        return status, solver

@@ -1,0 +1,136 @@
+"""Plans to start CP-SAT from, for a budget below the no-recompute peak.
+
+- the heuristics (:func:`~remat_compiler.solvers.greedy.best_heuristic_set`);
+- with 3 or more identical blocks, the block decomposition's bound and plan (:mod:`.blockbound`);
+- else the per-block options composed under the budget (:mod:`.blockwise`);
+- else CP-SAT on the model with identical blocks tied to the same decisions.
+
+:func:`seed` runs them in that order, each on its share of the job's clock, and picks the cheapest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from remat_compiler.graph import block_boundary_set, block_classes, block_stack
+from remat_compiler.schedule import peak_of, save_all_set
+from remat_compiler.solvers.cpsat.blockbound import block_bound
+from remat_compiler.solvers.cpsat.blockwise import blockwise_saved_set
+from remat_compiler.solvers.cpsat.costs import flop_gap
+from remat_compiler.solvers.cpsat.model import build_model, hint
+from remat_compiler.solvers.cpsat.run import Job
+from remat_compiler.solvers.greedy import best_heuristic_set
+
+__all__ = ["Seed", "seed", "SHARES"]
+
+#: The shares of the time limit T the warm start takes (each also bounded by what is left).
+SHARES = {
+    "heuristics": 0.3,       # of T: the greedy heuristics
+    "decomposition": 0.85,   # of T: the block decomposition's bound and plan...
+    "bound": 0.88,           # ...of which the bound's menus and choice, the rest for its fix-up solve
+    "composition": 0.3,      # of T, at most COMPOSITION_CAP_S: the per-block composition
+}
+COMPOSITION_CAP_S = 15.0
+
+
+@dataclass
+class Seed:
+    """A warm start: the cheapest plan found (None if none fits), a proven lower bound on the cost
+    from the block decomposition (cost units; None if it did not run), and whether the plan is the
+    decomposition's own."""
+
+    saved: set[str] | None = None
+    bound: float | None = None  # math.inf: no plan fits
+    decomposed: bool = False
+
+
+def seed(job: Job, *, heuristics: bool, block_reuse: bool, block_reuse_share: float) -> Seed:
+    """The warm start for ``job``: the no-recompute plan if it fits, else (``heuristics``) the
+    cheapest of the heuristics' and (``block_reuse``) the block methods' plans and the memo's plans
+    that fit."""
+    cg, budget = job.cg, job.budget_bytes
+    all_saved = set(save_all_set(cg))
+    T = job.deadline.seconds
+    if budget is None or peak_of(cg, all_saved) <= budget:
+        return Seed(all_saved if job.complies(all_saved) else None)
+    if not heuristics:
+        return Seed()
+    heuristic, _ = best_heuristic_set(cg, budget, job.cost_of,
+                                      deadline=job.deadline.part(SHARES["heuristics"] * T))
+    free = (job.objective == "flops" and heuristic is not None
+            and flop_gap(cg, job.recomputed(heuristic), 0) == 0)
+    found = Seed()
+    policy = bool(job.forced_saved or job.forbidden_saved)
+    if block_reuse and not policy and not free and not job.deterministic:
+        # identical blocks: the decomposition's bound, and its plan (often optimal); not when the
+        # heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already), nor in
+        # deterministic mode (its solves run against the wall clock)
+        found = decomposition(job, job.deadline.slice(cap=SHARES["decomposition"] * T))
+    composed = tied = None
+    if block_reuse and not found.decomposed:
+        composed = composition(job, job.deadline.slice(cap=min(COMPOSITION_CAP_S, SHARES["composition"] * T)))
+        if composed is None:
+            tied = tied_blocks(job, job.deadline.slice(cap=T * block_reuse_share), heuristic)
+    known = job.memo.fitting(cg, budget, job.complies)
+    plans = [w for w in (found.saved, composed, tied, heuristic, *known) if w is not None and job.complies(w)]
+    found.saved = set(min(plans, key=job.cost)) if plans else None
+    found.decomposed = found.decomposed and found.saved is not None
+    return found
+
+
+def tied_blocks(job: Job, seconds: float, start=None) -> set[str] | None:
+    """CP-SAT with identical blocks tied to the same decisions (from ``start``, a saved set); None
+    if there are no such blocks or it finds no plan in ``seconds``."""
+    classes = block_classes(job.cg)
+    if not classes:
+        return None
+    rm = build_model(job.cg, job.budget_bytes, forced_saved=job.forced_saved,
+                     forbidden_saved=job.forbidden_saved, objective=job.objective)
+    for cls in classes:
+        first = rm.saved.get(cls[0])
+        for v in cls[1:]:
+            if first is not None and v in rm.saved:
+                rm.model.add(rm.saved[v] == first)
+    if start is not None:
+        hint(rm, job.cg, start)
+    status, solver = job.solve(rm.model, max(0.5, seconds))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return {v for v, var in rm.saved.items() if solver.value(var)}
+
+
+def composition(job: Job, seconds: float) -> set[str] | None:
+    """The per-block options composed under the budget (:mod:`.blockwise`), if the graph has at
+    least 3 identical blocks."""
+    stack = block_stack(job.cg)
+    if stack is None or len(stack.blocks) < 3:
+        return None
+    return blockwise_saved_set(job.cg, job.budget_bytes, block_boundary_set(job.cg), job.cost_of,
+                               deadline=job.deadline.part(seconds))
+
+
+def decomposition(job: Job, seconds: float) -> Seed:
+    """The block decomposition's bound (:mod:`.blockbound`) and its plan: the bound's choice of
+    block plans, with what lies outside the blocks left to a CP-SAT solve of the full model (the
+    composition saves everything there, which may not fit)."""
+    clock = job.deadline.part(seconds)
+    found = block_bound(job.cg, job.budget_bytes, job.cost_of, deadline=clock.part(SHARES["bound"] * seconds),
+                        menus=job.memo.menus, cost_key=job.objective)
+    if found is None:
+        return Seed()
+    bound = found.bound
+    if found.saved is None:
+        return Seed(bound=bound)
+    blocks = found.block_candidates
+    rm = build_model(job.cg, job.budget_bytes, objective=job.objective,
+                     forced_saved=[v for v in blocks if v in found.saved],
+                     forbidden_saved=[v for v in blocks if v not in found.saved])
+    hint(rm, job.cg, found.saved)
+    status, solver = job.solve(rm.model, max(0.5, clock.left()), deadline=clock)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return Seed(bound=bound)
+    saved = {v for v, var in rm.saved.items() if solver.value(var)}
+    if peak_of(job.cg, saved) > job.budget_bytes:
+        return Seed(bound=bound)
+    return Seed(saved, bound, decomposed=True)

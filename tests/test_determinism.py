@@ -1,0 +1,96 @@
+"""No process-wide state changes an answer: ``deterministic=True`` gives the same plan in a fresh
+process and after other solves in this one; what earlier solves found is reused only through a
+:class:`~remat_compiler.solvers.cpsat.SolveMemo` the caller owns."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat_compiler as rc
+from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak, solve_cpsat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+def stack_graph():
+    """Four identical residual blocks (a ModuleList) and a head, as users write them."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Block(32) for _ in range(4))
+    head = nn.Linear(32, 8)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks, self.head = blocks, head
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x).square().mean()
+
+    _, cg = rc.analyze(Net(), (torch.randn(16, 32),))
+    return cg
+
+
+def deterministic_plan(cg, fraction: float) -> dict:
+    """The deterministic plan at a fraction of the no-recompute peak, as comparable data."""
+    plan = rc.solve(cg, fraction, "cpsat", deterministic=True, time_limit_s=5, num_workers=2)
+    return {"saved": sorted(plan.saved), "rerun": [list(r) for r in plan.rerun], "peak": plan.peak_bytes,
+            "cost": plan.extras["cost_units"], "status": plan.status, "fingerprint": cg.fingerprint}
+
+
+def test_deterministic_plan_is_the_same_in_a_fresh_process_and_after_other_solves():
+    cg = stack_graph()
+    first = deterministic_plan(cg, 0.55)
+    # other solves on the same graph in this process: budgets, the lowest-peak search, with a memo
+    memo = SolveMemo()
+    for fraction in (0.9, 0.5, 0.45):
+        try:
+            rc.solve(cg, fraction, "cpsat", time_limit_s=2, memo=memo)
+        except rc.InfeasibleBudgetError:
+            pass
+    min_feasible_peak(cg, time_limit_s=2, memo=memo)
+    assert memo.plans[cg.fingerprint]  # the memo did keep what those solves found
+    assert deterministic_plan(cg, 0.55) == first
+    code = ("import json; from tests.test_determinism import stack_graph, deterministic_plan; "
+            "print(json.dumps(deterministic_plan(stack_graph(), 0.55)))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == first
+
+
+def test_deterministic_refuses_a_memo():
+    cg = stack_graph()
+    with pytest.raises(ValueError, match="no memo"):
+        solve_cpsat(cg, None, deterministic=True, memo=SolveMemo())
+
+
+def test_a_memo_seeds_only_the_solves_given_it():
+    """Plans found on a graph reach a later solve only through the memo passed to both: a sweep's
+    later budgets start from its earlier plans, a solve without the memo from nothing."""
+    cg = stack_graph()
+    memo = SolveMemo()
+    low = rc.solve(cg, 0.5, "cpsat", time_limit_s=3, memo=memo)
+    assert (frozenset(low.saved), low.peak_bytes) in memo.plans[cg.fingerprint]
+    assert frozenset(low.saved) in memo.fitting(cg, low.peak_bytes, lambda s: True)
+    before = {k: list(v) for k, v in memo.plans.items()}
+    rc.solve(cg, 0.5, "cpsat", time_limit_s=3)
+    assert memo.plans == before  # a solve without the memo leaves it alone

@@ -1,0 +1,102 @@
+"""The solver registry: declared fields, one way to refuse an option, and strategies that do not
+apply saying so with their own error; the one clock every CP-SAT phase takes its time from."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat_compiler as rc
+from remat_compiler.clock import MIN_SLICE_S, Deadline
+from remat_compiler.errors import StrategyNotApplicableError
+from remat_compiler.graph import block_boundary_set, block_stack
+from remat_compiler.moe.layer import fused_combine_mode
+from remat_compiler.solvers import SOLVERS, Strategy, get_solver
+
+
+def _mlp_graph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+    return rc.analyze(model, (torch.randn(8, 32),))[1]
+
+
+def test_the_table_declares_what_each_solver_takes():
+    assert all(isinstance(s, Strategy) and s.name == name for name, s in SOLVERS.items())
+    assert {n for n, s in SOLVERS.items() if s.searching} == {"cpsat", "greedy", "moe_cpsat"}
+    assert {n for n, s in SOLVERS.items() if s.accepts_policy} == {"cpsat", "moe_cpsat"}
+    assert {n for n, s in SOLVERS.items() if s.prepare is not None} == {"moe_custom", "moe_cpsat"}
+    assert SOLVERS["moe_custom"].prepare is fused_combine_mode
+    with pytest.raises(TypeError):
+        SOLVERS["mine"] = SOLVERS["cpsat"]  # the table is fixed: pass your own solver as solver=
+
+
+@pytest.mark.parametrize("name", ["save_all", "checkpoint_blocks", "greedy", "cpsat", "moe_fast"])
+def test_every_solver_refuses_an_option_it_does_not_take_the_same_way(name):
+    cg = _mlp_graph()
+    with pytest.raises(ValueError, match=f"solver {name!r} takes no option bogus_option"):
+        rc.solve(cg, None, name, bogus_option=1)
+    with pytest.raises(ValueError, match="takes no option"):
+        rc.compile(nn.Linear(2, 2), solver=name, bogus_option=1)
+
+
+def test_hand_picked_strategies_take_no_time_limit_and_a_comparison_passes_only_what_each_takes():
+    with pytest.raises(ValueError, match="'save_all' takes no option time_limit_s .its options: none"):
+        rc.compile(nn.Linear(2, 2), solver="save_all", time_limit_s=5)
+    line = {"time_limit_s": 5.0, "progress": None, "objective": "flops"}
+    assert get_solver("save_all").options_in(line) == {}
+    assert get_solver("greedy").options_in(line) == {"time_limit_s": 5.0}
+    assert get_solver("cpsat").options_in(line) == {"time_limit_s": 5.0, "objective": "flops"}
+
+
+def test_a_callable_is_a_solver_that_takes_what_it_accepts():
+    cg = _mlp_graph()
+    seen = {}
+
+    def mine(cg, budget_bytes, *, flavour):
+        seen["flavour"] = flavour
+        return rc.solve(cg, budget_bytes, "save_all")
+    assert rc.solve(cg, None, mine, flavour="x").solver == "save_all" and seen == {"flavour": "x"}
+    assert get_solver(mine).name == "mine" and get_solver(mine).options is None
+
+
+def test_a_strategy_that_does_not_apply_says_so_and_what_to_use():
+    cg = _mlp_graph()
+    assert block_boundary_set(cg) is None and block_stack(cg) is None
+    with pytest.raises(StrategyNotApplicableError, match="use solver='cpsat'"):
+        rc.solve(cg, None, "checkpoint_blocks")
+    with pytest.raises(StrategyNotApplicableError, match="needs an MoE block"):
+        rc.solve(cg, None, "moe_origin")
+    with pytest.raises(ValueError, match="policy constrains CP-SAT"):
+        rc.compile(nn.Linear(2, 2), solver="greedy", policy=rc.policies.save_matmuls)
+
+
+def test_greedy_is_bounded_by_its_time_limit():
+    cg = _mlp_graph()
+    budget = rc.solve(cg, None, "save_all").peak_bytes - 1
+    t0 = time.perf_counter()
+    plan = rc.solve(cg, budget, "greedy", time_limit_s=0.5)
+    assert time.perf_counter() - t0 < 5 and plan.peak_bytes <= budget and plan.status == "feasible"
+
+
+def test_a_deadline_hands_out_slices_of_what_is_left():
+    clock = Deadline(10.0)
+    assert 9.0 < clock.left() <= 10.0 and not clock.expired()
+    assert clock.slice(0.5) == pytest.approx(clock.left() * 0.5, rel=1e-3)
+    assert clock.slice(cap=2.0) == 2.0
+    part = clock.part(3.0)
+    assert part.left() <= 3.0 and part.seconds == 3.0
+    assert clock.part(100.0).seconds <= 10.0  # a phase ends no later than the whole
+    spent = Deadline(0.0)
+    assert spent.expired() and spent.slice() == MIN_SLICE_S and spent.part(5.0).seconds == MIN_SLICE_S
+
+
+def test_a_deterministic_deadline_spends_only_what_searches_are_charged():
+    clock = Deadline(4.0, deterministic=True)
+    time.sleep(0.05)
+    assert clock.left() == 4.0  # wall time does not count
+    part = clock.part(2.0)
+    part.charge(1.5)
+    assert part.left() == 0.5 and clock.left() == 2.5  # a phase's charge is the whole's too
+    assert clock.wall_elapsed() >= 0.05
