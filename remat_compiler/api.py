@@ -6,8 +6,9 @@
     gm = run_passes(gm, num_fwd_outputs=...)             # phases, storage, costs, blocks, MoE tags
     cg = CostGraph.from_graph_module(gm)                 # networkx graph with bytes / FLOPs / runtime
     plan = solve(cg, budget, solver)                     # CP-SAT or a hand-picked strategy
-    check_plan(cg, plan)                                 # independent liveness simulation
+    check_plan(cg, plan)                                 # the plan agrees with the simulator
     fw, bw = emit(gm, plan)                              # forward / backward GraphModules
+    check_emitted(fw, bw, plan, cg)                      # the emitted code peaks where the plan says
 
 :func:`compile` runs the same steps inside AOTAutograd's partitioner, once per input signature.
 """
@@ -28,7 +29,7 @@ import torch.fx as fx
 
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
-from remat_compiler.check import check_plan
+from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.codegen import emit
 from remat_compiler.costgraph import CostGraph
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError, RematError
@@ -289,7 +290,9 @@ class CompiledModule(torch.nn.Module):
                 planned = plan_graph(gm, cg, self._budget, solver=self._solver, **self._solver_options)
             entry.planned = planned
             entry.grad_deps = _grad_deps(planned)
-            return emit(gm, planned.plan)
+            fw, bw = emit(gm, planned.plan)
+            check_emitted(fw, bw, planned.plan, cg)
+            return fw, bw
         return partition
 
     forward = _ForwardWithSignature()
