@@ -8,7 +8,8 @@ pass that writes it):
 - ``remat.phase``: "input" | "tangent" | "fw" | "bw" | "output"            (:mod:`passes.phases`)
 - ``remat.storage``: name of the node that owns this value's storage, or None for tuples and scalars;
   ``remat.bytes``: bytes of new storage this node allocates (0 for views, aliases and tuples);
-  ``remat.tuple``: True for multi-output nodes                             (:mod:`passes.storage`)
+  ``remat.tuple``: True for multi-output nodes; ``remat.real_bytes``: a scalar CPU result's storage
+  bytes as the real kernel allocates them, where measured                  (:mod:`passes.storage`)
 - ``remat.flops``, ``remat.runtime_s``, ``remat.comm_bytes``, ``remat.never_recompute``,
   ``remat.reason``, ``remat.recompute_unread``                            (:mod:`passes.costs`)
 - ``remat.module``, ``remat.block``                                      (:mod:`passes.blocks`)

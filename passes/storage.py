@@ -12,7 +12,7 @@ A FakeTensor's storage is exactly what its shape needs; a real kernel may alloca
 results are where that happens (CPU ``mse_loss`` returns its 4-byte loss as a view into a buffer the
 size of its input, which stays alive with the loss), so :func:`calibrate_scalar_storage` runs every op
 with a scalar CPU result once on zero-filled real inputs of the traced shapes and records the bytes
-the real result's storage holds.
+the real result's storage holds, in ``meta["remat.real_bytes"]`` as measured and in ``remat.bytes``.
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "masked_outputs", "STORAGE", "BYTES",
-           "TUPLE"]
+           "TUPLE", "REAL_BYTES"]
 
 STORAGE = "remat.storage"
 BYTES = "remat.bytes"
 TUPLE = "remat.tuple"
+REAL_BYTES = "remat.real_bytes"
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -132,6 +133,8 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
     Runs each deterministic aten op whose result is a 0-dim CPU tensor owning its storage once, on
     zero-filled real inputs of its traced shapes (each input briefly allocated); random, mutating
     and collective ops are skipped, and so is an op the zero inputs make fail (its traced bytes stay).
+    The measured bytes are also written alone as ``meta["remat.real_bytes"]``, a fact about the real
+    kernel that a reader of the FakeTensors (:mod:`remat_compiler.emitted`) cannot derive.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -156,5 +159,6 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
             except Exception:  # noqa: BLE001 - zero inputs this op rejects: keep the traced bytes
                 continue
             if isinstance(out, torch.Tensor):
-                n.meta[BYTES] = max(n.meta[BYTES], _storage_bytes(out))
+                n.meta[REAL_BYTES] = _storage_bytes(out)
+                n.meta[BYTES] = max(n.meta[BYTES], n.meta[REAL_BYTES])
     return gm

@@ -8,6 +8,7 @@ and by :func:`plan_model` / the CLI after :func:`remat_compiler.trace.trace`::
     plan = decide(cg, spec)                                 # CP-SAT, a hand-picked strategy, or a given plan
     sim = check_plan(cg, plan)                              # the plan's claims against its graph
     fw, bw = emit(gm, plan)                                 # forward / backward GraphModules
+    check_emitted(fw, bw, plan, cg)                         # the emitted code's own peak, walked
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.fx as fx
 
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
-from remat_compiler.check import check_plan
+from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
@@ -124,6 +125,8 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
         sim = check_plan(cg, plan)
     with _timed(spent, "emit"):
         fw, bw = emit(gm, plan)
+    with _timed(spent, "check emitted"):
+        check_emitted(fw, bw, plan, cg)
     return PlannedGraph(gm, cg, plan, sim, fw, bw, spent)
 
 

@@ -1,20 +1,28 @@
-"""check_plan: re-derive a plan's schedule, simulate it independently, and reject what does not fit."""
+"""Two checks of a plan: its own consistency (:func:`check_plan`) and the emitted code's memory
+(:func:`check_emitted`), which does not go through the simulator."""
 from __future__ import annotations
 
+import torch.fx as fx
+
 from remat_compiler.graph import CostGraph
+from remat_compiler.emitted import EmittedPeak, emitted_peak
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import SimResult, build_schedule, simulate
 
-__all__ = ["check_plan"]
+__all__ = ["check_plan", "check_emitted"]
 
 
 def check_plan(cg: CostGraph, plan: Plan) -> SimResult:
-    """Check a plan against its graph with a liveness simulation that knows nothing of the solver.
+    """Check that a plan is consistent with its graph and its own numbers.
 
-    The schedule is rebuilt from ``plan.saved`` and ``plan.rerun`` alone, compared with the plan's own
-    schedule, and simulated; the simulated peak must equal ``plan.peak_bytes``, be at most the solver's own bound
-    (``plan.model_peak_bytes``) and at most the budget, and the recompute cost must match.
+    The schedule is rebuilt from ``plan.saved`` and ``plan.rerun`` alone and compared with the plan's
+    own schedule, then simulated with :func:`remat_compiler.schedule.simulate`: the simulated peak must
+    equal ``plan.peak_bytes``, be at most the solver's own bound (``plan.model_peak_bytes``) and at most
+    the budget, and the recompute cost must match. This catches a solver whose model disagrees with
+    the simulator, a plan edited by hand or made for other options; it re-runs the simulator that
+    :func:`remat_compiler.plan.make_plan` took ``peak_bytes`` from, so it cannot catch a simulator (or
+    codegen) that is wrong: :func:`check_emitted` does, on the emitted code.
 
     Returns
     -------
@@ -47,3 +55,47 @@ def check_plan(cg: CostGraph, plan: Plan) -> SimResult:
     if problems:
         raise PlanCheckError(f"plan by {plan.solver} rejected: " + "; ".join(problems))
     return sim
+
+
+def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGraph) -> EmittedPeak:
+    """Check that the emitted forward and backward peak exactly where the plan says.
+
+    The two GraphModules are walked in their emitted order with reference counts on their FakeTensor
+    storages (:func:`remat_compiler.emitted.emitted_peak`); neither the schedule nor the simulator
+    is consulted. From ``cg`` only graph-level facts are read: how many forward outputs are the
+    user's, which are updated inputs, and whether the caller holds its outputs.
+
+    Parameters
+    ----------
+    fw, bw : fx.GraphModule
+        What :func:`remat_compiler.codegen.emit` returned for ``plan``.
+    plan : Plan
+    cg : CostGraph
+        The graph the plan was made for.
+
+    Returns
+    -------
+    EmittedPeak
+
+    Raises
+    ------
+    PlanCheckError
+        If the emitted code's peak is not ``plan.peak_bytes``; the message names where the emitted
+        code peaks (or first goes above the plan) and both figures.
+
+    Example
+    -------
+    >>> fw, bw = emit(gm, plan); check_emitted(fw, bw, plan, cg).peak_bytes   # doctest: +SKIP
+    """
+    walked = emitted_peak(fw, bw, num_fwd_outputs=len(cg.fw_outputs),
+                          input_updates=cg.g.graph.get("input_updates", ()), hold_outputs=cg.hold_outputs)
+    if walked.peak_bytes == plan.peak_bytes:
+        return walked
+    if walked.peak_bytes > plan.peak_bytes:
+        node, live = walked.first_above(plan.peak_bytes)
+        where = (f"first above the plan at {node} ({live} bytes live), and peaks at {walked.peak_node} "
+                 f"({walked.peak_bytes} bytes)")
+    else:
+        where = f"peaks at {walked.peak_node} ({walked.peak_bytes} bytes)"
+    raise PlanCheckError(f"plan by {plan.solver}: the emitted code {where}; the plan predicts "
+                         f"{plan.peak_bytes} bytes")

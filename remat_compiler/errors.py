@@ -67,4 +67,5 @@ class PlanMismatchError(RematError, ValueError):
 
 
 class PlanCheckError(RematError, AssertionError):
-    """The independent liveness simulation rejected a plan (a solver bug, never a user error)."""
+    """A plan disagrees with the liveness simulator, or the code emitted for it does not peak where
+    it says (a solver, simulator or codegen bug, never a user error)."""

@@ -187,8 +187,6 @@ def finish(job: Job, found: Found, solver_name: str) -> Plan:
     """The plan of what was found; under ``objective="flops"`` its status and gap are those of the
     counted FLOPs alone (:func:`~.costs.flops_status`)."""
     cg = job.cg
-    if not found.final:
-        job.memo.remember(cg, found.saved)
     status = "optimal" if found.optimal else "feasible"
     gap = found.gap
     extras = {"cost_units": found.cost, "cost_bound_units": found.bound, "objective": job.objective}
@@ -196,9 +194,12 @@ def finish(job: Job, found: Found, solver_name: str) -> Plan:
         status, gap, more = flops_status(cg, build_schedule(cg, found.saved, found.rerun).recomputed, status,
                                          gap, found.bound)
         extras.update(more)
-    return make_plan(cg, found.saved, budget_bytes=job.budget_bytes, solver=solver_name, status=status,
+    plan = make_plan(cg, found.saved, budget_bytes=job.budget_bytes, solver=solver_name, status=status,
                      gap=gap, solve_time_s=job.deadline.wall_elapsed(), model_peak_bytes=found.model_peak,
                      baseline_peak_bytes=no_recompute(cg).peak_bytes, rerun=found.rerun, extras=extras)
+    if not found.final:
+        job.memo.remember(cg, plan.saved, plan.peak_bytes)
+    return plan
 
 
 def _solved(rm: RematModel, solver: cp_model.CpSolver, status: int, relaxed: float | None) -> Found:
