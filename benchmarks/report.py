@@ -17,7 +17,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from remat_compiler.plan import atomic_write_text
-from remat_compiler.viz import note_cell, save_figure
+from remat_compiler.tables import note_cell
+from remat_compiler.viz import save_figure
 
 __all__ = ["TABLE_HEADER", "PEER_STRATEGIES", "atomic_write_text", "format_rows", "check_targets",
            "render_results", "plot_pareto_measured"]

@@ -28,7 +28,7 @@ from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import resolve_budget
 from remat_compiler.sweep import options_for
-from remat_compiler.viz import format_table, note_cell
+from remat_compiler.tables import format_table, note_cell
 from remat_compiler.workload import Workload
 
 __all__ = ["max_abs_error", "StrategyRun", "common_budget_bytes", "eager_reference", "run_strategy", "format_compare_table"]
