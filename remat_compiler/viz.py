@@ -10,7 +10,6 @@ atomically: a temporary file in the destination folder, then a rename.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Protocol, Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -18,6 +17,7 @@ from matplotlib.figure import Figure
 
 from remat_compiler.budget import human_bytes
 from remat_compiler.costgraph import CostGraph
+from remat_compiler.files import atomic_write
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import build_schedule, simulate
 
@@ -39,44 +39,12 @@ DOT_COLORS = {
 
 # ---------------------------------------------------------------------------- files
 def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 120) -> str:
-    """Write a figure as PNG atomically (temporary file in the same folder, then ``os.replace``).
+    """Write ``fig`` to ``path`` as a PNG of ``dpi`` dots per inch, atomically; return the absolute path.
 
-    Parameters
-    ----------
-    fig : matplotlib.figure.Figure
-    path : str or PathLike
-    dpi : int
-
-    Returns
-    -------
-    str
-        The absolute path written.
-
-    Raises
-    ------
-    OSError
-        If the folder is not writable; no partial file is left behind.
+    Raises ``OSError`` as :func:`remat_compiler.files.atomic_write` does (folder not writable; no
+    partial file is left behind).
     """
-    path = os.path.abspath(os.fspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the picture ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def _figure(width_in: float = 9.0, height_in: float = 4.8) -> Figure:
