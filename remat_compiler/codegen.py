@@ -4,18 +4,10 @@ The forward is AOTAutograd's own extraction with the plan's saved values as extr
 backward is rebuilt in the plan's schedule order: each recomputed node appears just before the first
 backward step that needs it, and fx's generated code releases every value after its last use.
 
-A functional collective's work object (gloo runs it on a background thread) holds the collective's
-inputs until that thread lets go of it, which can be a few ops after ``wait_tensor`` returns on a busy
-machine. So that memory is the plan's, not the scheduler's, each ``wait_tensor`` is followed by
-:func:`release_collective_inputs`, which holds the inputs until the work has dropped them; they are
-freed right there. A ``wait_tensor`` follows its collective directly and allocates nothing, so the
-live bytes the plan predicts do not change; a saved collective result is saved as waited for, so its
-wait (and the release) stay in the forward.
+After each collective's ``wait_tensor`` the emitted graphs hold the collective's inputs until gloo's
+work lets go of them (:mod:`remat_compiler.collectives`).
 """
 from __future__ import annotations
-
-import time
-import warnings
 
 import torch
 import torch.fx as fx
@@ -23,65 +15,11 @@ import torch.fx as fx
 from passes.costs import is_training_batch_norm
 from passes.rng import is_dropout_at, replaying
 from passes.storage import is_wait
+from remat_compiler.collectives import release_after_waits
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
 
-__all__ = ["emit", "reorder_backward", "release_collective_inputs", "use_counts"]
-
-RELEASE_TIMEOUT_S = 0.2
-_warned = {"release": False}
-
-
-def _refs(t: torch.Tensor) -> tuple[int, int]:
-    """References to a tensor and to its storage (a work object may hold either)."""
-    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def use_counts(*tensors: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """References to each tensor and its storage before a collective is issued on it (the graph's own)."""
-    return tuple(_refs(t) for t in tensors)
-
-
-def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: torch.Tensor) -> None:
-    """Wait (at most RELEASE_TIMEOUT_S) until no collective work holds ``tensors`` any more: their
-    reference counts are back to ``counts``, taken before the collective was issued.
-
-    CPU tensors only (gloo); on an accelerator the caching allocator and stream order decide when
-    memory is reused, and its backends keep work objects for their own bookkeeping."""
-    if any(t.device.type != "cpu" for t in tensors):
-        return
-    deadline = time.monotonic() + RELEASE_TIMEOUT_S
-    while any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs)):
-        if time.monotonic() > deadline:
-            if not _warned["release"]:
-                _warned["release"] = True
-                warnings.warn(f"a collective's input was still held {RELEASE_TIMEOUT_S} s after its wait; "
-                              "the step may peak above the plan by that input's size", RuntimeWarning,
-                              stacklevel=2)
-            return
-        time.sleep(0)
-
-
-def _release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
-    """After each ``wait_tensor`` of a collective, hold the collective's tensor inputs until its work
-    has released them (see the module docstring)."""
-    changed = False
-    for w in list(gm.graph.nodes):
-        if not is_wait(w) or not isinstance(w.args[0], fx.Node):
-            continue
-        coll = w.args[0]
-        inputs = [a for a in coll.all_input_nodes if a.op != "get_attr"]
-        if coll.op != "call_function" or not inputs:
-            continue
-        with gm.graph.inserting_before(coll):
-            counts = gm.graph.call_function(use_counts, tuple(inputs))
-        with gm.graph.inserting_after(w):
-            gm.graph.call_function(release_collective_inputs, (counts, *inputs))
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+__all__ = ["emit", "reorder_backward"]
 
 
 def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -210,4 +148,4 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     bw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     fw.recompile()
     bw = reorder_backward(bw, plan)
-    return _release_after_waits(fw), _release_after_waits(bw)
+    return release_after_waits(fw), release_after_waits(bw)
