@@ -2,18 +2,8 @@
 
 Before annotating, :func:`passes.rng.replayable_dropout` makes dropout replay its RNG state where it
 is recomputed, and :func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward
-into one op (it holds two logits-sized tensors instead of three). Keys written (each documented in the
-pass that writes it):
-
-- ``remat.phase``: "input" | "tangent" | "fw" | "bw" | "output"            (:mod:`passes.phases`)
-- ``remat.storage``: name of the node that owns this value's storage, or None for tuples and scalars;
-  ``remat.bytes``: bytes of new storage this node allocates (0 for views, aliases and tuples);
-  ``remat.tuple``: True for multi-output nodes                             (:mod:`passes.storage`)
-- ``remat.flops``, ``remat.runtime_s``, ``remat.comm_bytes``, ``remat.never_recompute``,
-  ``remat.reason``, ``remat.recompute_unread``                            (:mod:`passes.costs`)
-- ``remat.module``, ``remat.block``                                      (:mod:`passes.blocks`)
-- ``remat.moe``: None, or ``{segment, kind, role, fused}`` for nodes inside an MoE block
-                                                                          (:mod:`passes.moe`)
+into one op (it holds two logits-sized tensors instead of three). Every key the passes write or
+read, with its meaning and its writer, is in :mod:`passes.keys`.
 """
 from __future__ import annotations
 

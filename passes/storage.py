@@ -22,12 +22,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "masked_outputs", "STORAGE", "BYTES",
-           "TUPLE"]
+from passes.keys import BYTES, STORAGE, TUPLE
 
-STORAGE = "remat.storage"
-BYTES = "remat.bytes"
-TUPLE = "remat.tuple"
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "masked_outputs"]
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

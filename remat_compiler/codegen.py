@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from passes.costs import is_training_batch_norm
+from passes.keys import NUM_FWD_OUTPUTS, PHASE, RECOMPUTE_UNREAD
 from passes.rng import is_dropout_at, replaying
 from passes.storage import is_wait
 from remat_compiler.collectives import release_after_waits
@@ -116,12 +117,12 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     """
     from torch._functorch.partitioners import _extract_fwd_bwd_modules  # imports inductor: slow
 
-    num_fwd = gm.meta["remat.num_fwd_outputs"]
+    num_fwd = gm.meta[NUM_FWD_OUTPUTS]
     names = {n.name: n for n in gm.graph.nodes}
     saved_values = []
     for x in plan.schedule.bw_inputs:
         n = names[x]
-        if n.meta.get("remat.phase") == "tangent":
+        if n.meta.get(PHASE) == "tangent":
             continue
         # a collective's result is saved once waited for (same storage): the forward waits for it
         # and releases the collective's inputs then, instead of leaving the wait to the backward
@@ -133,7 +134,7 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     # the plan saves no running statistics that only those recomputations would read (they are no
     # edges of the cost graph: ``remat.recompute_unread``); gm's BatchNorms still read them, so this
     # extraction gets them too, and with bn it is for the forward alone
-    stats = list(dict.fromkeys(names[a] for n in bn for a in n.meta.get("remat.recompute_unread", ())
+    stats = list(dict.fromkeys(names[a] for n in bn for a in n.meta.get(RECOMPUTE_UNREAD, ())
                                if names[a] not in saved_values))
     fw, bw = _extract_fwd_bwd_modules(gm, saved_values + stats, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
     if bn:  # backward recomputes them without their running statistics (see reorder_backward)
@@ -142,7 +143,7 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
         keep = [bw_names[n.name] for n in saved_values]
         _, bw = _extract_fwd_bwd_modules(bw_gm, keep, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
         _forward_saves(fw, num_fwd, [p.name for p in bw.graph.find_nodes(op="placeholder")
-                                     if p.meta.get("remat.phase") != "tangent"])
+                                     if p.meta.get(PHASE) != "tangent"])
     # fx keeps functional collectives as impure; a dead one is dead on every rank (same plan)
     fw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     bw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)

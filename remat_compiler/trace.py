@@ -3,7 +3,7 @@
 The capture is PyTorch's own: AOTAutograd traces the model's forward with FakeTensors and autograd's
 backward into one joint graph, whose placeholders are ``primals_*`` (parameters, buffers, inputs) and
 ``tangents_*`` (gradients of the outputs). Every node carries ``meta["val"]`` (a FakeTensor with shape,
-dtype and storage identity) and ``meta["custom"]["remat.module"]``, the dotted path of the innermost
+dtype and storage identity) and ``meta["custom"]["remat.trace_module"]``, the dotted path of the innermost
 module that ran it.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from remat_compiler.errors import UntraceableModelError
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "mark_mutated_inputs"]
 
-MODULE_KEY = "remat.module"
+MODULE_KEY = "remat.trace_module"
 MODULE_CLASS_KEY = "remat.module_class"
 MUTATED_KEY = "remat.mutated_input"
 
