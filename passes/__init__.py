@@ -12,12 +12,14 @@ import torch.fx as fx
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
 from passes.loss import fuse_cross_entropy_backward
+from passes.moe import tag_moe_segments
 from passes.phases import annotate_phases
 from passes.rng import replayable_dropout
 from passes.storage import annotate_storage, calibrate_scalar_storage
 
 __all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "calibrate_scalar_storage",
-           "annotate_costs", "annotate_blocks", "fuse_cross_entropy_backward", "replayable_dropout"]
+           "annotate_costs", "annotate_blocks", "tag_moe_segments", "fuse_cross_entropy_backward",
+           "replayable_dropout"]
 
 
 def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None
@@ -41,8 +43,4 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
     gm = calibrate_scalar_storage(gm)
     gm = annotate_costs(gm, cost_model or CostModel())
     gm = annotate_blocks(gm)
-    try:
-        from passes.moe import tag_moe_segments
-    except ImportError:  # the MoE pass is optional while it is being built
-        return gm
     return tag_moe_segments(gm)

@@ -22,11 +22,6 @@ def module_path(node: fx.Node) -> str:
     return custom.get(TRACE_MODULE, "") or ""
 
 
-def _module_class(node: fx.Node) -> str:
-    custom = node.meta.get("custom") or {}
-    return custom.get(TRACE_MODULE_CLASS, "") or ""
-
-
 def annotate_blocks(gm: fx.GraphModule) -> fx.GraphModule:
     """Annotate ``remat.module`` and ``remat.block`` on every node (forward nodes decide the blocks)."""
     # children of each parent path, with the class of the child module, as seen in the trace
