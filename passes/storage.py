@@ -129,6 +129,11 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
     Runs each deterministic aten op whose result is a 0-dim CPU tensor owning its storage once, on
     zero-filled real inputs of its traced shapes (each input briefly allocated); random, mutating
     and collective ops are skipped, and so is an op the zero inputs make fail (its traced bytes stay).
+
+    An op fails by raising ``RuntimeError``: torch's error when a kernel's argument checks reject
+    its inputs (a linear-algebra error on a singular zero matrix is one), when the zero inputs
+    cannot be allocated, and, as its subclass ``NotImplementedError``, when the op has no kernel for
+    these inputs' device. Any other exception is a bug and is raised.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -150,7 +155,7 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 args = torch.fx.node.map_aggregate(n.args, real)
                 kwargs = torch.fx.node.map_aggregate(n.kwargs, real)
                 out = target(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - zero inputs this op rejects: keep the traced bytes
+            except RuntimeError:  # see the docstring: keep the traced bytes
                 continue
             if isinstance(out, torch.Tensor):
                 n.meta[BYTES] = max(n.meta[BYTES], _storage_bytes(out))
