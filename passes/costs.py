@@ -30,11 +30,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
+from passes.c10d import is_c10d, is_collective
 from passes.keys import (COMM_BYTES, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
                          RUNTIME_S, STORAGE)
 from passes.rng import is_rng_state
 
-__all__ = ["CostModel", "annotate_costs", "is_collective", "is_training_batch_norm", "recompute_unread"]
+__all__ = ["CostModel", "annotate_costs", "is_training_batch_norm", "recompute_unread"]
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,6 @@ class CostModel:
     compute_flops_per_s: float = 1.0e11
     memory_bytes_per_s: float = 2.0e10
     link_bytes_per_s: float = 2.5e10
-
-
-def is_collective(node: fx.Node) -> bool:
-    """True for functional collectives (all-to-all, all-reduce, ...) in a traced graph."""
-    target = node.target
-    ns = getattr(target, "namespace", None)
-    name = getattr(target, "__name__", "")
-    return ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and \
-        not name.startswith("wait_tensor")
 
 
 def _tensor_bytes(x) -> int:
@@ -112,8 +104,7 @@ def _never_recompute(node: fx.Node) -> str | None:
             return f"random op {target} (its RNG state is not replayed)"
         if target._schema.is_mutable:
             return f"mutates its input ({target})"
-    if node.is_impure() and not is_collective(node) and \
-            getattr(target, "__name__", "") != "wait_tensor.default":
+    if node.is_impure() and not is_c10d(node):  # fx calls collectives and their waits impure
         return f"side effect ({target})"
     return None
 

@@ -45,7 +45,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from passes.costs import is_collective
+from passes.c10d import is_c10d
 from passes.keys import MOE, PHASE, STORAGE, TRACE_MODULE, TRACE_MODULE_CLASS
 
 __all__ = ["tag_moe_segments", "ROLES", "MOE_BLOCKS"]
@@ -76,10 +76,6 @@ def _op_name(node: fx.Node) -> str:
 
 def _is_gemm(node: fx.Node) -> bool:
     return node.op == "call_function" and _op_name(node) in _GEMM_OPS
-
-
-def _is_comm(node: fx.Node) -> bool:
-    return node.op == "call_function" and (is_collective(node) or _op_name(node) == "wait_tensor")
 
 
 def _find_segments(gm: fx.GraphModule) -> dict[str, str]:
@@ -241,7 +237,7 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
             role = outputs.get(n, "router")
         elif kind == "moe_layer" and head == _FUSED_CHILD:
             fused = True
-            role = "gemm2" if _is_gemm(n) else "combine_a2a" if _is_comm(n) else "unpermute"
+            role = "gemm2" if _is_gemm(n) else "combine_a2a" if is_c10d(n) else "unpermute"
         elif kind == "moe_layer":
             role = _LAYER_CHILDREN.get(head, "experts")
         elif head == _HF_EXPERTS:

@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes.c10d import is_wait
 from passes.keys import BYTES, STORAGE, TUPLE
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "masked_outputs"]
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "masked_outputs"]
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -43,12 +44,6 @@ def _strided_span_bytes(t: torch.Tensor) -> int:
 
 def _is_tangent(n: fx.Node) -> bool:
     return n.op == "placeholder" and n.name.startswith("tangents")
-
-
-def is_wait(node: fx.Node) -> bool:
-    """True for a functional collective's ``wait_tensor`` (it hands back its input's storage)."""
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
-        and getattr(node.target, "__name__", "").startswith("wait_tensor")
 
 
 def _returns_input(n: fx.Node) -> bool:

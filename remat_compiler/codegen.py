@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from passes.c10d import is_c10d, is_wait
 from passes.costs import is_training_batch_norm
 from passes.keys import NUM_FWD_OUTPUTS, PHASE, RECOMPUTE_UNREAD
 from passes.rng import is_dropout_at, replaying
-from passes.storage import is_wait
 from remat_compiler.collectives import release_after_waits
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -104,9 +104,7 @@ def _forward_saves(fw: fx.GraphModule, num_fwd: int, saved: list[str]) -> None:
 
 
 def _impure_unless_collective(node: fx.Node) -> bool:
-    if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
-        return False
-    return node.is_impure()
+    return not is_c10d(node) and node.is_impure()
 
 
 def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule]:

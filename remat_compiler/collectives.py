@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from passes.storage import is_wait
+from passes.c10d import is_wait
 
 __all__ = ["release_after_waits", "release_collective_inputs", "use_counts", "RELEASE_TIMEOUT_S"]
 
