@@ -32,7 +32,7 @@ from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 from benchmarks.measure import Runner, max_abs_error, measure, round_ratio, time_round_robin
 from benchmarks.strategies import (MOE_STRATEGIES, PYTORCH_BUDGETS, Comm, Skipped, checkpoint_runner,
                                    eager_runner, moe_runner, pytorch_runner, remat_runner)
-from benchmarks.workloads import WorkloadSpec
+from benchmarks.workloads import ISSUE_TARGETS, WorkloadSpec
 
 __all__ = ["BenchOptions", "ROW_FIELDS", "bench_workload", "sweep_budgets"]
 
@@ -156,8 +156,6 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
     log(f"[{spec.name}] traced in {trace_s:.1f} s; finding the smallest feasible budget")
     (min_peak, proven), min_s = _timed(lambda: comm.on_rank0(
         lambda: min_feasible_peak(cg, memo=memo, **solver_opts)[:2]))
-    from benchmarks.report import ISSUE_TARGETS
-
     target = ISSUE_TARGETS.get(spec.name, {}).get("flop_target_peak_mib")
     extra = [(f"issue target {target:g} MiB", int(target * 2 ** 20))] if target else []
     for setting, budget in sweep_budgets(peers, baseline, min_peak, opts.fractions, extra):

@@ -1,7 +1,7 @@
 """RESULTS.md and the Pareto pictures, from the per-workload result documents of :mod:`benchmarks.bench`.
 
 Everything here reads finished results; text files are written atomically with
-:func:`remat_compiler.plan.atomic_write_text` (re-exported here), pictures with
+:func:`remat_compiler.files.atomic_write_text` (re-exported here), pictures with
 :func:`remat_compiler.viz.save_figure`.
 
 >>> text = render_results([result_gpt2, result_mixtral])        # doctest: +SKIP
@@ -16,19 +16,20 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from remat_compiler.plan import atomic_write_text
-from remat_compiler.viz import note_cell, save_figure
+from remat_compiler.files import atomic_write_text
+from remat_compiler.tables import note_cell
+from remat_compiler.viz import save_figure
+
+from benchmarks.workloads import ISSUE_TARGETS
 
 __all__ = ["TABLE_HEADER", "PEER_STRATEGIES", "atomic_write_text", "format_rows", "check_targets",
-           "render_results", "plot_pareto_measured"]
+           "render_results", "format_scale", "plot_pareto_measured"]
 
 MIB = float(2 ** 20)
 #: The Markdown table header every workload's table starts with.
 TABLE_HEADER = ("| workload | strategy | setting | budget (MiB) | measured peak (MiB) | predicted peak (MiB) "
                 "| measured / predicted | FLOP ratio | step-time ratio | max abs grad error "
                 "| plan / compile (s) | solver status | gap |")
-#: Issue 5's absolute targets for a full-size workload.
-ISSUE_TARGETS = {"gpt2": {"lowest_peak_mib": 45.0, "flop_target": 1.10, "flop_target_peak_mib": 60.0}}
 #: Strategies a remat_compiler point is set against (at that strategy's measured peak).
 PEER_STRATEGIES = ("eager", "checkpoint", "torch.compile", "moe_origin", "moe_fast", "moe_custom")
 
@@ -224,7 +225,7 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   slower rank. gloo runs each all-to-all on a background thread whose work object holds the
   collective's input until that thread lets go of it, a few ops after the wait on a loaded machine; the
   emitted code therefore holds the input after each wait until the work has released it
-  (`remat_compiler.codegen.release_collective_inputs`), so that it is freed where the plan frees it.
+  (`remat_compiler.collectives.release_collective_inputs`), so that it is freed where the plan frees it.
   Eager, checkpoint and torch.compile rows have no such release, and their ranks can differ.
 
 Sizes are in MiB (2^20 bytes). Issue 5's reference figures, written "MB", are in this unit: its eager
@@ -233,8 +234,6 @@ GPT-2 peak, 218.1, is measured here as 218.1 MiB, and checkpointing every block 
 
 
 def _scale_section(doc: dict) -> str:
-    from benchmarks.scale import format_scale
-
     return "\n".join([
         "## scale (plan time)", "",
         f"{doc['description']}. {doc['threads']} torch thread(s), torch {doc['torch']}, CP-SAT with "
@@ -252,6 +251,30 @@ def _scale_section(doc: dict) -> str:
         f"gap on the whole objective. Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
         f"`{doc.get('command', '-')}`; code: {doc.get('code_version', 'unknown')}.", "",
         format_scale(doc)])
+
+
+def format_scale(doc: dict) -> str:
+    """The plan-time table (Markdown) of a :func:`benchmarks.scale.bench_plan_scale` document."""
+    mib = float(2 ** 20)
+    lines = ["| layers | graph nodes | trace + analyse (s) | budget | budget (MiB) | CP-SAT time limit (s) "
+             "| plan time (s) | status | FLOP gap | objective gap <= 1% after (s) | tie-break gap "
+             "| predicted peak (MiB) | recompute FLOP overhead | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        if r["status"] == "infeasible":
+            tail = ["infeasible", "-", "-", "-", "-", r["note"], f"**not met** (<= {r['target_s']:g} s)"]
+        else:
+            in_time = r["solve_s"] <= r["target_s"]
+            met = in_time and (r["status"] == "optimal" or r["gap"] <= 0.01)
+            tb = r.get("tiebreak_gap")
+            verdict = f"{'met' if met else '**not met**'} (<= {r['target_s']:g} s, gap <= 1%)"
+            tail = [r["status"], f"{r['gap']:.2%}", "-" if r["to_1pct_s"] is None else f"{r['to_1pct_s']:.1f}",
+                    "-" if tb is None else f"{tb:.2%}",
+                    f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['flop_overhead']:.1%}", verdict]
+        lines.append("| " + " | ".join([str(r["layers"]), str(r["nodes"]), f"{r['trace_s']:.1f}", r["budget_name"],
+                                        f"{r['budget_bytes'] / mib:.1f}", f"{r['time_limit_s']:g}",
+                                        f"{r['solve_s']:.1f}", *tail]) + " |")
+    return "\n".join(lines)
 
 
 def render_results(results: Sequence[dict], command: str = "python -m benchmarks.run") -> str:

@@ -23,7 +23,7 @@ from remat_compiler.errors import InfeasibleBudgetError
 from benchmarks.bench import BenchOptions
 from benchmarks.workloads import WORKLOADS, build_gpt2
 
-__all__ = ["SCALE_LAYERS", "bench_plan_scale", "format_scale"]
+__all__ = ["SCALE_LAYERS", "bench_plan_scale"]
 
 #: GPT-2 depths planned and their plan-time targets in seconds (full size, quick).
 SCALE_LAYERS = {False: ((12, 10.0), (48, 30.0)), True: ((2, 5.0), (4, 5.0))}
@@ -71,27 +71,3 @@ def bench_plan_scale(opts: BenchOptions) -> dict:
             "num_workers": opts.num_workers, "objective": opts.objective,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "runtime_s": time.perf_counter() - t_start, "rows": rows}
-
-
-def format_scale(doc: dict) -> str:
-    """The plan-time table (Markdown) of a :func:`bench_plan_scale` document."""
-    mib = float(2 ** 20)
-    lines = ["| layers | graph nodes | trace + analyse (s) | budget | budget (MiB) | CP-SAT time limit (s) "
-             "| plan time (s) | status | FLOP gap | objective gap <= 1% after (s) | tie-break gap "
-             "| predicted peak (MiB) | recompute FLOP overhead | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
-        if r["status"] == "infeasible":
-            tail = ["infeasible", "-", "-", "-", "-", r["note"], f"**not met** (<= {r['target_s']:g} s)"]
-        else:
-            in_time = r["solve_s"] <= r["target_s"]
-            met = in_time and (r["status"] == "optimal" or r["gap"] <= 0.01)
-            tb = r.get("tiebreak_gap")
-            verdict = f"{'met' if met else '**not met**'} (<= {r['target_s']:g} s, gap <= 1%)"
-            tail = [r["status"], f"{r['gap']:.2%}", "-" if r["to_1pct_s"] is None else f"{r['to_1pct_s']:.1f}",
-                    "-" if tb is None else f"{tb:.2%}",
-                    f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['flop_overhead']:.1%}", verdict]
-        lines.append("| " + " | ".join([str(r["layers"]), str(r["nodes"]), f"{r['trace_s']:.1f}", r["budget_name"],
-                                        f"{r['budget_bytes'] / mib:.1f}", f"{r['time_limit_s']:g}",
-                                        f"{r['solve_s']:.1f}", *tail]) + " |")
-    return "\n".join(lines)

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["WorkloadSpec", "WORKLOADS", "WithLoss", "blocks_of", "input_leaves", "build_gpt2"]
+__all__ = ["WorkloadSpec", "WORKLOADS", "ISSUE_TARGETS", "WithLoss", "blocks_of", "input_leaves", "build_gpt2"]
 
 
 class WithLoss(nn.Module):
@@ -208,3 +208,5 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                          "inside the model", MLP, MLP_QUICK),
         _mlp, "inner.layers"),
 }
+#: Issue 5's absolute targets for a full-size workload (peaks in MiB, FLOP ratio against eager).
+ISSUE_TARGETS = {"gpt2": {"lowest_peak_mib": 45.0, "flop_target": 1.10, "flop_target_peak_mib": 60.0}}

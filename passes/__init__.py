@@ -1,39 +1,87 @@
-"""Graph passes: pure steps ``GraphModule -> GraphModule`` that talk only through ``node.meta["remat.*"]``.
+"""Graph passes: steps ``GraphModule -> GraphModule`` that talk only through ``meta["remat.*"]`` keys.
 
-Before annotating, :func:`passes.rng.replayable_dropout` makes dropout replay its RNG state where it
-is recomputed, and :func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward
-into one op (it holds two logits-sized tensors instead of three). Keys written (each documented in the
-pass that writes it):
+:data:`PASSES` is the whole list, in order. The first three rewrite the graph: dead code goes, then
+:func:`passes.rng.replayable_dropout` makes dropout replay its RNG state where it is recomputed, and
+:func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward into one op (it
+holds two logits-sized tensors instead of three). The rest only annotate. Every key the passes write
+or read, with its meaning and its writer, is in :mod:`passes.keys`.
 
-- ``remat.phase``: "input" | "tangent" | "fw" | "bw" | "output"            (:mod:`passes.phases`)
-- ``remat.storage``: name of the node that owns this value's storage, or None for tuples and scalars;
-  ``remat.bytes``: bytes of new storage this node allocates (0 for views, aliases and tuples);
-  ``remat.tuple``: True for multi-output nodes; ``remat.real_bytes``: a scalar CPU result's storage
-  bytes as the real kernel allocates them, where measured                  (:mod:`passes.storage`)
-- ``remat.flops``, ``remat.runtime_s``, ``remat.comm_bytes``, ``remat.never_recompute``,
-  ``remat.reason``, ``remat.recompute_unread``                            (:mod:`passes.costs`)
-- ``remat.module``, ``remat.block``                                      (:mod:`passes.blocks`)
-- ``remat.moe``: None, or ``{segment, kind, role, fused}`` for nodes inside an MoE block
-                                                                          (:mod:`passes.moe`)
+Each pass changes the GraphModule it is given, in place, and returns it.
+
+>>> gm = run_passes(traced.joint, num_fwd_outputs=traced.num_fwd_outputs, dump_dir="passes")  # doctest: +SKIP
+>>> sorted(os.listdir("passes"))[:2]                                                          # doctest: +SKIP
+['00_eliminate_dead_code.txt', '01_replayable_dropout.txt']
 """
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
 
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
+from passes.keys import PREFIX
 from passes.loss import fuse_cross_entropy_backward
+from passes.moe import tag_moe_segments
 from passes.phases import annotate_phases
 from passes.rng import replayable_dropout
 from passes.storage import annotate_storage, calibrate_scalar_storage
 
-__all__ = ["run_passes", "CostModel", "annotate_phases", "annotate_storage", "calibrate_scalar_storage",
-           "annotate_costs", "annotate_blocks", "fuse_cross_entropy_backward", "replayable_dropout"]
+__all__ = ["run_passes", "PASSES", "Pass", "CostModel", "eliminate_dead_code", "annotate_phases",
+           "annotate_storage", "calibrate_scalar_storage", "annotate_costs", "annotate_blocks",
+           "tag_moe_segments", "fuse_cross_entropy_backward", "replayable_dropout"]
 
 
-def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None
-               ) -> fx.GraphModule:
-    """Run the standard pass list over a joint graph and return it.
+def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove nodes nobody reads (fx's rule: impure nodes, such as collectives, stay); recompile if any."""
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
+    return gm
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One step of :data:`PASSES`: :func:`run_passes` calls ``run(gm, **the options it names)``.
+
+    Attributes
+    ----------
+    run : callable
+        The pass; it takes the GraphModule first and the options named in ``options`` as keywords.
+    options : tuple of str
+        Which of :func:`run_passes`' options (``num_fwd_outputs``, ``cost_model``) it takes.
+    """
+
+    run: Callable[..., fx.GraphModule]
+    options: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
+
+
+#: The standard pass list, in the order :func:`run_passes` runs it.
+PASSES: tuple[Pass, ...] = (
+    Pass(eliminate_dead_code),
+    Pass(replayable_dropout),
+    Pass(fuse_cross_entropy_backward),
+    Pass(annotate_phases, ("num_fwd_outputs",)),
+    Pass(annotate_storage),
+    Pass(calibrate_scalar_storage),
+    Pass(annotate_costs, ("cost_model",)),
+    Pass(annotate_blocks),
+    Pass(tag_moe_segments),
+)
+
+
+def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostModel | None = None,
+               dump_dir: str | os.PathLike | None = None) -> fx.GraphModule:
+    """Run :data:`PASSES` over a joint graph, in place, and return it.
+
+    ``gm`` itself is changed: dead nodes are erased, dropout and cross-entropy's backward are
+    rewritten (then ``gm`` is recompiled), and every node's ``meta`` and ``gm.meta`` get the
+    :mod:`passes.keys` annotations. Pass a copy to keep the traced graph as it was.
 
     Parameters
     ----------
@@ -43,17 +91,48 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
         How many of the joint graph's outputs are forward outputs.
     cost_model : CostModel, optional
         Compute rate, memory and link bandwidth for the runtime estimate.
+    dump_dir : str or PathLike, optional
+        If given (created if missing), the graph after each pass is written to
+        ``dump_dir/NN_<pass name>.txt``: its code, then every node's and the graph's ``remat.*``
+        metadata.
+
+    Returns
+    -------
+    fx.GraphModule
+        ``gm``, annotated.
+
+    Raises
+    ------
+    OSError
+        If ``dump_dir`` cannot be written.
     """
-    gm.graph.eliminate_dead_code()
-    gm = replayable_dropout(gm)
-    gm = fuse_cross_entropy_backward(gm)
-    gm = annotate_phases(gm, num_fwd_outputs=num_fwd_outputs)
-    gm = annotate_storage(gm)
-    gm = calibrate_scalar_storage(gm)
-    gm = annotate_costs(gm, cost_model or CostModel())
-    gm = annotate_blocks(gm)
-    try:
-        from passes.moe import tag_moe_segments
-    except ImportError:  # the MoE pass is optional while it is being built
-        return gm
-    return tag_moe_segments(gm)
+    options = {"num_fwd_outputs": num_fwd_outputs, "cost_model": cost_model or CostModel()}
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+    for i, p in enumerate(PASSES):
+        gm = p.run(gm, **{k: options[k] for k in p.options})
+        if dump_dir is not None:
+            _write_dump(os.path.join(dump_dir, f"{i:02d}_{p.name}.txt"), _describe(gm))
+    return gm
+
+
+def _describe(gm: fx.GraphModule) -> str:
+    """The graph's code followed by its ``remat.*`` metadata, one line a node."""
+    lines = [gm.print_readable(print_output=False), "", "# graph metadata"]
+    lines += [f"{k} = {v!r}" for k, v in gm.meta.items() if k.startswith(PREFIX)]
+    lines += ["", "# node metadata"]
+    for n in gm.graph.nodes:
+        ann = {k: v for k, v in n.meta.items() if k.startswith(PREFIX)}
+        lines.append(f"{n.name}: {ann}")
+    return "\n".join(lines) + "\n"
+
+
+def _write_dump(path: str, text: str) -> None:
+    """Write a dump file atomically (``os.replace``), so a reader never sees half of one.
+
+    (:mod:`remat_compiler.files` has the full writer, but passes sit below remat_compiler and
+    must not import it.)"""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

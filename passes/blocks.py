@@ -1,6 +1,6 @@
 """Pass: which repeated block (transformer layer, MLP layer) each node belongs to.
 
-Reads ``meta["custom"]["remat.module"]`` (the module path recorded while tracing) and writes
+Reads ``meta["custom"]["remat.trace_module"]`` (the module path recorded while tracing) and writes
 ``meta["remat.module"]`` (that path, "" at top level) and ``meta["remat.block"]`` (the path of the
 repeated child module that contains it, or None). Blocks are the children of the container
 (``nn.ModuleList`` / ``nn.Sequential``) that holds the most same-class siblings, at least two; the
@@ -12,20 +12,14 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-__all__ = ["annotate_blocks", "module_path"]
+from passes.keys import BLOCK, BLOCK_CONTAINER, MODULE, PHASE, TRACE_MODULE, TRACE_MODULE_CLASS
 
-MODULE = "remat.module"
-BLOCK = "remat.block"
+__all__ = ["annotate_blocks", "module_path"]
 
 
 def module_path(node: fx.Node) -> str:
     custom = node.meta.get("custom") or {}
-    return custom.get("remat.module", "") or ""
-
-
-def _module_class(node: fx.Node) -> str:
-    custom = node.meta.get("custom") or {}
-    return custom.get("remat.module_class", "") or ""
+    return custom.get(TRACE_MODULE, "") or ""
 
 
 def annotate_blocks(gm: fx.GraphModule) -> fx.GraphModule:
@@ -35,7 +29,7 @@ def annotate_blocks(gm: fx.GraphModule) -> fx.GraphModule:
     for n in gm.graph.nodes:
         path = module_path(n)
         n.meta[MODULE] = path
-        if n.meta.get("remat.phase") != "fw" or not path:
+        if n.meta.get(PHASE) != "fw" or not path:
             continue
         parts = path.split(".")
         custom = n.meta.get("custom") or {}
@@ -44,12 +38,12 @@ def annotate_blocks(gm: fx.GraphModule) -> fx.GraphModule:
             if child.isdigit():
                 children[parent].setdefault(child, "")
         if parts[-1].isdigit():
-            children[".".join(parts[:-1])][parts[-1]] = custom.get("remat.module_class", "")
+            children[".".join(parts[:-1])][parts[-1]] = custom.get(TRACE_MODULE_CLASS, "")
     best, best_count = None, 1
     for parent, kids in sorted(children.items()):
         if len(kids) > best_count:
             best, best_count = parent, len(kids)
-    gm.meta["remat.block_container"] = best
+    gm.meta[BLOCK_CONTAINER] = best
     for n in gm.graph.nodes:
         n.meta[BLOCK] = None
         if best is None:

@@ -30,18 +30,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
+from passes.c10d import is_c10d, is_collective
+from passes.keys import (COMM_BYTES, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
+                         RUNTIME_S, STORAGE)
 from passes.rng import is_rng_state
-from passes.storage import STORAGE
 
-__all__ = ["CostModel", "annotate_costs", "is_collective", "is_training_batch_norm", "recompute_unread"]
-
-FLOPS = "remat.flops"
-RUNTIME = "remat.runtime_s"
-COMM = "remat.comm_bytes"
-NEVER = "remat.never_recompute"
-REASON = "remat.reason"
-RECOMPUTE_UNREAD = "remat.recompute_unread"
-MUTATED = "remat.mutated_input"
+__all__ = ["CostModel", "annotate_costs", "is_training_batch_norm", "recompute_unread"]
 
 
 @dataclass(frozen=True)
@@ -51,15 +45,6 @@ class CostModel:
     compute_flops_per_s: float = 1.0e11
     memory_bytes_per_s: float = 2.0e10
     link_bytes_per_s: float = 2.5e10
-
-
-def is_collective(node: fx.Node) -> bool:
-    """True for functional collectives (all-to-all, all-reduce, ...) in a traced graph."""
-    target = node.target
-    ns = getattr(target, "namespace", None)
-    name = getattr(target, "__name__", "")
-    return ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and \
-        not name.startswith("wait_tensor")
 
 
 def _tensor_bytes(x) -> int:
@@ -106,21 +91,20 @@ def _never_recompute(node: fx.Node) -> str | None:
         parent = node.args[0]
         if is_training_batch_norm(parent) and node.args[1] >= 3:
             return "a batch norm's updated running statistics (the step writes them into its buffers)"
-        return parent.meta.get(REASON) if parent.meta.get(NEVER) else None
+        return parent.meta.get(REASON) if parent.meta.get(NEVER_RECOMPUTE) else None
     if is_rng_state(node):
         return "the generator's state before a dropout (read again, it would be a later one)"
     stats = set(node.args[3:5]) if is_training_batch_norm(node) else set()
     for a in node.all_input_nodes:
-        if a.op == "placeholder" and a.meta.get(MUTATED) and a not in stats:
-            return (f"reads {a.meta[MUTATED]}, which the step mutates in place (in backward it no "
+        if a.op == "placeholder" and a.meta.get(MUTATED_INPUT) and a not in stats:
+            return (f"reads {a.meta[MUTATED_INPUT]}, which the step mutates in place (in backward it no "
                     f"longer holds the forward's value)")
     if isinstance(target, torch._ops.OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return f"random op {target} (its RNG state is not replayed)"
         if target._schema.is_mutable:
             return f"mutates its input ({target})"
-    if node.is_impure() and not is_collective(node) and \
-            getattr(target, "__name__", "") != "wait_tensor.default":
+    if node.is_impure() and not is_c10d(node):  # fx calls collectives and their waits impure
         return f"side effect ({target})"
     return None
 
@@ -129,7 +113,7 @@ def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
     """Annotate FLOPs, communication bytes, runtime and recompute flags on every node of ``gm``."""
     for n in gm.graph.nodes:
         if n.op != "call_function":
-            n.meta[FLOPS], n.meta[RUNTIME], n.meta[COMM], n.meta[NEVER] = 0, 0.0, 0, False
+            n.meta[FLOPS], n.meta[RUNTIME_S], n.meta[COMM_BYTES], n.meta[NEVER_RECOMPUTE] = 0, 0.0, 0, False
             n.meta[RECOMPUTE_UNREAD] = []
             continue
         is_alias = n.meta.get(STORAGE) not in (None, n.name)
@@ -147,7 +131,7 @@ def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
             runtime = max(flops / cost_model.compute_flops_per_s, moved / cost_model.memory_bytes_per_s)
             runtime += comm / cost_model.link_bytes_per_s
         reason = _never_recompute(n)
-        n.meta[FLOPS], n.meta[COMM], n.meta[RUNTIME] = flops, comm, runtime
-        n.meta[NEVER], n.meta[REASON] = reason is not None, reason
+        n.meta[FLOPS], n.meta[COMM_BYTES], n.meta[RUNTIME_S] = flops, comm, runtime
+        n.meta[NEVER_RECOMPUTE], n.meta[REASON] = reason is not None, reason
         n.meta[RECOMPUTE_UNREAD] = recompute_unread(n)
     return gm

@@ -1,6 +1,6 @@
 """Pass: find the MoE segments of a joint graph and tag each of their nodes with its role.
 
-Reads ``meta["custom"]["remat.module"]`` / ``["remat.module_class"]`` (recorded while tracing),
+Reads ``meta["custom"]["remat.trace_module"]`` / ``["remat.module_class"]`` (recorded while tracing),
 ``meta["remat.phase"]`` and ``meta["remat.storage"]``; writes ``meta["remat.moe"]`` on every node recorded inside an MoE block, a
 dict with the keys
 
@@ -45,11 +45,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from passes.costs import is_collective
+from passes.c10d import is_c10d
+from passes.keys import MOE, PHASE, STORAGE, TRACE_MODULE, TRACE_MODULE_CLASS
 
-__all__ = ["tag_moe_segments", "MOE", "ROLES", "MOE_BLOCKS"]
+__all__ = ["tag_moe_segments", "ROLES", "MOE_BLOCKS"]
 
-MOE = "remat.moe"
 ROLES = ("input", "router", "probs", "routing", "permute", "dispatch_a2a", "gemm1", "act", "gemm2",
          "combine_a2a", "unpermute", "output", "experts", "boundary")
 
@@ -78,18 +78,14 @@ def _is_gemm(node: fx.Node) -> bool:
     return node.op == "call_function" and _op_name(node) in _GEMM_OPS
 
 
-def _is_comm(node: fx.Node) -> bool:
-    return node.op == "call_function" and (is_collective(node) or _op_name(node) == "wait_tensor")
-
-
 def _find_segments(gm: fx.GraphModule) -> dict[str, str]:
     """Module paths of MoE blocks seen in the trace -> kind."""
     found = {}
     for n in gm.graph.nodes:
         custom = _custom(n)
-        kind = MOE_BLOCKS.get(custom.get("remat.module_class", ""))
-        if kind is not None and custom.get("remat.module") is not None:
-            found[custom["remat.module"]] = kind
+        kind = MOE_BLOCKS.get(custom.get(TRACE_MODULE_CLASS, ""))
+        if kind is not None and custom.get(TRACE_MODULE) is not None:
+            found[custom[TRACE_MODULE]] = kind
     return found
 
 
@@ -149,7 +145,7 @@ def _expert_roles(region: list[fx.Node]) -> dict[fx.Node, str]:
     position = {n: i for i, n in enumerate(region)}
     roles = {}
     for n in region:
-        storage = n.meta.get("remat.storage")
+        storage = n.meta.get(STORAGE)
         if n in _with_getitems(g1) or storage == g1.name:
             roles[n] = "gemm1"
         elif n in _with_getitems(g2) or storage == g2.name:
@@ -203,7 +199,7 @@ def tag_moe_segments(gm: fx.GraphModule) -> fx.GraphModule:
     members: dict[str, list[fx.Node]] = {seg: [] for seg in segments}
     for n in gm.graph.nodes:
         n.meta[MOE] = None
-        path = _custom(n).get("remat.module")
+        path = _custom(n).get(TRACE_MODULE)
         if path is None or n.op != "call_function":
             continue
         seg = _segment_of(path, segments)
@@ -219,8 +215,8 @@ def tag_moe_segments(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, tuple[str, bool]]:
-    children = {n: _child(_custom(n)["remat.module"], seg) for n in nodes}
-    fw = [n for n in nodes if n.meta.get("remat.phase") == "fw"]
+    children = {n: _child(_custom(n)[TRACE_MODULE], seg) for n in nodes}
+    fw = [n for n in nodes if n.meta.get(PHASE) == "fw"]
     router_child = "router" if kind == "moe_layer" else _HF_ROUTER
     router_fw = [n for n in fw if children[n][0] == router_child]
     first_router = router_fw[0] if router_fw else None
@@ -230,7 +226,7 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
     roles: dict[fx.Node, tuple[str, bool]] = {}
     for n in nodes:
         head, rest = children[n]
-        is_fw = n.meta.get("remat.phase") == "fw"
+        is_fw = n.meta.get(PHASE) == "fw"
         fused = False
         if head == "":
             if not is_fw:
@@ -241,7 +237,7 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
             role = outputs.get(n, "router")
         elif kind == "moe_layer" and head == _FUSED_CHILD:
             fused = True
-            role = "gemm2" if _is_gemm(n) else "combine_a2a" if _is_comm(n) else "unpermute"
+            role = "gemm2" if _is_gemm(n) else "combine_a2a" if is_c10d(n) else "unpermute"
         elif kind == "moe_layer":
             role = _LAYER_CHILDREN.get(head, "experts")
         elif head == _HF_EXPERTS:

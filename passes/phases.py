@@ -21,9 +21,9 @@ import operator
 
 import torch.fx as fx
 
-__all__ = ["annotate_phases", "PHASE"]
+from passes.keys import INPUT_UPDATES, MUTATED_INPUT, NUM_FWD_OUTPUTS, PHASE
 
-PHASE = "remat.phase"
+__all__ = ["annotate_phases"]
 
 
 def _input_update_positions(graph: fx.Graph, output: fx.Node, num_fwd_outputs: int) -> list[int]:
@@ -34,7 +34,7 @@ def _input_update_positions(graph: fx.Graph, output: fx.Node, num_fwd_outputs: i
     if descs is not None:
         return [i for i, d in enumerate(descs[:num_fwd_outputs])
                 if type(d).__name__ == "InputMutationAOTOutput"]
-    mutated = sum(1 for p in graph.find_nodes(op="placeholder") if p.meta.get("remat.mutated_input"))
+    mutated = sum(1 for p in graph.find_nodes(op="placeholder") if p.meta.get(MUTATED_INPUT))
     return list(range(min(mutated, num_fwd_outputs)))
 
 
@@ -65,6 +65,6 @@ def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModu
             n.meta[PHASE] = "output"
         else:
             n.meta[PHASE] = "fw" if n in needed else "bw"
-    gm.meta["remat.num_fwd_outputs"] = num_fwd_outputs
-    gm.meta["remat.input_updates"] = _input_update_positions(graph, output, num_fwd_outputs)
+    gm.meta[NUM_FWD_OUTPUTS] = num_fwd_outputs
+    gm.meta[INPUT_UPDATES] = _input_update_positions(graph, output, num_fwd_outputs)
     return gm

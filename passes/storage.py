@@ -22,23 +22,20 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "is_wait", "masked_outputs", "STORAGE", "BYTES",
-           "TUPLE", "REAL_BYTES"]
+from passes.c10d import is_wait
+from passes.keys import BYTES, REAL_BYTES, STORAGE, TUPLE
 
-STORAGE = "remat.storage"
-BYTES = "remat.bytes"
-TUPLE = "remat.tuple"
-REAL_BYTES = "remat.real_bytes"
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "masked_outputs", "storage_bytes", "strided_span_bytes"]
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
+def storage_bytes(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return int(t.numel() * t.element_size())
 
 
-def _strided_span_bytes(t: torch.Tensor) -> int:
+def strided_span_bytes(t: torch.Tensor) -> int:
     """Bytes of the smallest storage holding ``t``'s sizes and strides at offset 0 (``empty_strided``)."""
     if t.numel() == 0:
         return 0
@@ -47,12 +44,6 @@ def _strided_span_bytes(t: torch.Tensor) -> int:
 
 def _is_tangent(n: fx.Node) -> bool:
     return n.op == "placeholder" and n.name.startswith("tangents")
-
-
-def is_wait(node: fx.Node) -> bool:
-    """True for a functional collective's ``wait_tensor`` (it hands back its input's storage)."""
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
-        and getattr(node.target, "__name__", "").startswith("wait_tensor")
 
 
 def _returns_input(n: fx.Node) -> bool:
@@ -96,7 +87,7 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 n.meta[STORAGE], n.meta[BYTES] = owner[key], 0
             else:
                 owner[key] = n.name
-                nbytes = _strided_span_bytes(val) if _is_tangent(n) else _storage_bytes(val)
+                nbytes = strided_span_bytes(val) if _is_tangent(n) else storage_bytes(val)
                 n.meta[STORAGE], n.meta[BYTES] = n.name, nbytes
         elif n.meta[TUPLE]:
             # outputs no getitem takes (e.g. nll_loss's total_weight) live in the tuple until its
@@ -111,7 +102,7 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 key = StorageWeakRef(t.untyped_storage())
                 if key not in owner:
                     owner[key] = n.name
-                    loose += _storage_bytes(t)
+                    loose += storage_bytes(t)
             n.meta[STORAGE], n.meta[BYTES] = (n.name, loose) if loose else (None, 0)
         else:
             n.meta[STORAGE], n.meta[BYTES] = None, 0
@@ -135,6 +126,11 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
     and collective ops are skipped, and so is an op the zero inputs make fail (its traced bytes stay).
     The measured bytes are also written alone as ``meta["remat.real_bytes"]``, a fact about the real
     kernel that a reader of the FakeTensors (:mod:`remat_compiler.emitted`) cannot derive.
+
+    An op fails by raising ``RuntimeError``: torch's error when a kernel's argument checks reject
+    its inputs (a linear-algebra error on a singular zero matrix is one), when the zero inputs
+    cannot be allocated, and, as its subclass ``NotImplementedError``, when the op has no kernel for
+    these inputs' device. Any other exception is a bug and is raised.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -156,9 +152,9 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 args = torch.fx.node.map_aggregate(n.args, real)
                 kwargs = torch.fx.node.map_aggregate(n.kwargs, real)
                 out = target(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - zero inputs this op rejects: keep the traced bytes
+            except RuntimeError:  # see the docstring: keep the traced bytes
                 continue
             if isinstance(out, torch.Tensor):
-                n.meta[REAL_BYTES] = _storage_bytes(out)
+                n.meta[REAL_BYTES] = storage_bytes(out)
                 n.meta[BYTES] = max(n.meta[BYTES], n.meta[REAL_BYTES])
     return gm

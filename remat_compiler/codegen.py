@@ -4,84 +4,23 @@ The forward is AOTAutograd's own extraction with the plan's saved values as extr
 backward is rebuilt in the plan's schedule order: each recomputed node appears just before the first
 backward step that needs it, and fx's generated code releases every value after its last use.
 
-A functional collective's work object (gloo runs it on a background thread) holds the collective's
-inputs until that thread lets go of it, which can be a few ops after ``wait_tensor`` returns on a busy
-machine. So that memory is the plan's, not the scheduler's, each ``wait_tensor`` is followed by
-:func:`release_collective_inputs`, which holds the inputs until the work has dropped them; they are
-freed right there. A ``wait_tensor`` follows its collective directly and allocates nothing, so the
-live bytes the plan predicts do not change; a saved collective result is saved as waited for, so its
-wait (and the release) stay in the forward.
+After each collective's ``wait_tensor`` the emitted graphs hold the collective's inputs until gloo's
+work lets go of them (:mod:`remat_compiler.collectives`).
 """
 from __future__ import annotations
-
-import time
-import warnings
 
 import torch
 import torch.fx as fx
 
+from passes.c10d import is_c10d, is_wait
 from passes.costs import is_training_batch_norm
+from passes.keys import NUM_FWD_OUTPUTS, PHASE, RECOMPUTE_UNREAD
 from passes.rng import is_dropout_at, replaying
-from passes.storage import is_wait
+from remat_compiler.collectives import release_after_waits
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
 
-__all__ = ["emit", "reorder_backward", "release_collective_inputs", "use_counts"]
-
-RELEASE_TIMEOUT_S = 0.2
-_warned = {"release": False}
-
-
-def _refs(t: torch.Tensor) -> tuple[int, int]:
-    """References to a tensor and to its storage (a work object may hold either)."""
-    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def use_counts(*tensors: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """References to each tensor and its storage before a collective is issued on it (the graph's own)."""
-    return tuple(_refs(t) for t in tensors)
-
-
-def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: torch.Tensor) -> None:
-    """Wait (at most RELEASE_TIMEOUT_S) until no collective work holds ``tensors`` any more: their
-    reference counts are back to ``counts``, taken before the collective was issued.
-
-    CPU tensors only (gloo); on an accelerator the caching allocator and stream order decide when
-    memory is reused, and its backends keep work objects for their own bookkeeping."""
-    if any(t.device.type != "cpu" for t in tensors):
-        return
-    deadline = time.monotonic() + RELEASE_TIMEOUT_S
-    while any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs)):
-        if time.monotonic() > deadline:
-            if not _warned["release"]:
-                _warned["release"] = True
-                warnings.warn(f"a collective's input was still held {RELEASE_TIMEOUT_S} s after its wait; "
-                              "the step may peak above the plan by that input's size", RuntimeWarning,
-                              stacklevel=2)
-            return
-        time.sleep(0)
-
-
-def _release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
-    """After each ``wait_tensor`` of a collective, hold the collective's tensor inputs until its work
-    has released them (see the module docstring)."""
-    changed = False
-    for w in list(gm.graph.nodes):
-        if not is_wait(w) or not isinstance(w.args[0], fx.Node):
-            continue
-        coll = w.args[0]
-        inputs = [a for a in coll.all_input_nodes if a.op != "get_attr"]
-        if coll.op != "call_function" or not inputs:
-            continue
-        with gm.graph.inserting_before(coll):
-            counts = gm.graph.call_function(use_counts, tuple(inputs))
-        with gm.graph.inserting_after(w):
-            gm.graph.call_function(release_collective_inputs, (counts, *inputs))
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+__all__ = ["emit", "reorder_backward"]
 
 
 def reorder_backward(bw: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -165,9 +104,7 @@ def _forward_saves(fw: fx.GraphModule, num_fwd: int, saved: list[str]) -> None:
 
 
 def _impure_unless_collective(node: fx.Node) -> bool:
-    if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
-        return False
-    return node.is_impure()
+    return not is_c10d(node) and node.is_impure()
 
 
 def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -178,12 +115,12 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     """
     from torch._functorch.partitioners import _extract_fwd_bwd_modules  # imports inductor: slow
 
-    num_fwd = gm.meta["remat.num_fwd_outputs"]
+    num_fwd = gm.meta[NUM_FWD_OUTPUTS]
     names = {n.name: n for n in gm.graph.nodes}
     saved_values = []
     for x in plan.schedule.bw_inputs:
         n = names[x]
-        if n.meta.get("remat.phase") == "tangent":
+        if n.meta.get(PHASE) == "tangent":
             continue
         # a collective's result is saved once waited for (same storage): the forward waits for it
         # and releases the collective's inputs then, instead of leaving the wait to the backward
@@ -195,7 +132,7 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     # the plan saves no running statistics that only those recomputations would read (they are no
     # edges of the cost graph: ``remat.recompute_unread``); gm's BatchNorms still read them, so this
     # extraction gets them too, and with bn it is for the forward alone
-    stats = list(dict.fromkeys(names[a] for n in bn for a in n.meta.get("remat.recompute_unread", ())
+    stats = list(dict.fromkeys(names[a] for n in bn for a in n.meta.get(RECOMPUTE_UNREAD, ())
                                if names[a] not in saved_values))
     fw, bw = _extract_fwd_bwd_modules(gm, saved_values + stats, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
     if bn:  # backward recomputes them without their running statistics (see reorder_backward)
@@ -204,10 +141,10 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
         keep = [bw_names[n.name] for n in saved_values]
         _, bw = _extract_fwd_bwd_modules(bw_gm, keep, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
         _forward_saves(fw, num_fwd, [p.name for p in bw.graph.find_nodes(op="placeholder")
-                                     if p.meta.get("remat.phase") != "tangent"])
+                                     if p.meta.get(PHASE) != "tangent"])
     # fx keeps functional collectives as impure; a dead one is dead on every rank (same plan)
     fw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     bw.graph.eliminate_dead_code(is_impure_node=_impure_unless_collective)
     fw.recompile()
     bw = reorder_backward(bw, plan)
-    return _release_after_waits(fw), _release_after_waits(bw)
+    return release_after_waits(fw), release_after_waits(bw)

@@ -27,7 +27,7 @@ from remat_compiler.errors import InfeasibleBudgetError, StrategyNotApplicableEr
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import get_solver, resolve_budget
-from remat_compiler.viz import format_table, note_cell
+from remat_compiler.tables import format_table, note_cell
 from remat_compiler.workload import Workload
 
 __all__ = ["max_abs_error", "StrategyRun", "common_budget_bytes", "eager_reference", "run_strategy", "format_compare_table"]

@@ -36,7 +36,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.storage import REAL_BYTES, _storage_bytes, _strided_span_bytes, is_wait, masked_outputs
+from passes.c10d import is_wait
+from passes.keys import REAL_BYTES
+from passes.storage import storage_bytes, strided_span_bytes, masked_outputs
 from remat_compiler.errors import PlanCheckError
 
 __all__ = ["EmittedPeak", "emitted_peak"]
@@ -138,7 +140,7 @@ class _Walk:
                     return s
         if key in self.resident:
             return key, None
-        nbytes = _storage_bytes(t)
+        nbytes = storage_bytes(t)
         if t.dim() == 0 and REAL_BYTES in n.meta:
             nbytes = max(nbytes, int(n.meta[REAL_BYTES]))
         return key, self.mem.alloc(nbytes)
@@ -261,7 +263,7 @@ def emitted_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int
     scalar = [p for p in tangents if isinstance(p.meta.get("val"), torch.Tensor) and p.meta["val"].dim() == 0]
     for p in tangents:
         val = p.meta.get("val")
-        bound[p.name] = [(_key(val), walk.mem.alloc(_strided_span_bytes(val)))] \
+        bound[p.name] = [(_key(val), walk.mem.alloc(strided_span_bytes(val)))] \
             if isinstance(val, torch.Tensor) else []
         walk.mem.acquire(bound[p.name])
     for p in scalar or tangents:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 from remat_compiler.budget import human_bytes
 from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanMismatchError
+from remat_compiler.files import atomic_write_text
 from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simulate
 
 __all__ = ["Plan", "ValueInfo", "make_plan", "SCHEMA_VERSION"]
@@ -223,26 +223,6 @@ class Plan:
 def _document_digest(d: dict) -> str:
     """A hash of a plan document's whole content (without its digest and schema version)."""
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never half."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _reason_saved(cg: CostGraph, n: str) -> str:

@@ -19,7 +19,7 @@ from remat_compiler.errors import InfeasibleBudgetError, StrategyNotApplicableEr
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import SOLVERS, get_solver, solve
 from remat_compiler.solvers.cpsat import SolveMemo
-from remat_compiler.viz import format_table, note_cell
+from remat_compiler.tables import format_table, note_cell
 
 __all__ = ["ParetoRow", "sweep_budgets", "strategy_points", "hand_picked_strategies", "format_pareto_table"]
 

@@ -3,7 +3,7 @@
 The capture is PyTorch's own: AOTAutograd traces the model's forward with FakeTensors and autograd's
 backward into one joint graph, whose placeholders are ``primals_*`` (parameters, buffers, inputs) and
 ``tangents_*`` (gradients of the outputs). Every node carries ``meta["val"]`` (a FakeTensor with shape,
-dtype and storage identity) and ``meta["custom"]["remat.module"]``, the dotted path of the innermost
+dtype and storage identity) and ``meta["custom"]["remat.trace_module"]``, the dotted path of the innermost
 module that ran it.
 """
 from __future__ import annotations
@@ -20,14 +20,15 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_function
 from torch.func import functional_call
 
+from passes import keys
 from remat_compiler.errors import UntraceableModelError
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint"]
 
-MODULE_KEY = "remat.module"
-MODULE_CLASS_KEY = "remat.module_class"
-MUTATED_KEY = "remat.mutated_input"
-HOLD_OUTPUTS_KEY = "remat.hold_outputs"
+MODULE_KEY = keys.TRACE_MODULE
+MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
+MUTATED_KEY = keys.MUTATED_INPUT
+HOLD_OUTPUTS_KEY = keys.HOLD_OUTPUTS
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Pictures and text of plans: memory timelines, Pareto curves, DOT graphs and plain-text tables.
+"""Pictures of plans: memory timelines, Pareto curves and DOT graphs (text tables are in ``tables.py``).
 
 Plotting stays out of the solver path: everything here reads finished plans. Figures are drawn with
 matplotlib's object API on the Agg canvas (no pyplot, no global backend switch) and written
@@ -10,22 +10,19 @@ atomically: a temporary file in the destination folder, then a rename.
 from __future__ import annotations
 
 import os
-import tempfile
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Protocol, Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from remat_compiler.budget import human_bytes
+from remat_compiler.files import atomic_write
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import build_schedule, simulate
 
-if TYPE_CHECKING:
-    from remat_compiler.sweep import ParetoRow
-
-__all__ = ["plot_timeline", "plot_pareto", "plan_to_dot", "node_decisions", "format_table",
-           "note_cell", "save_figure", "DOT_COLORS"]
+__all__ = ["plot_timeline", "plot_pareto", "PointLike", "plan_to_dot", "node_decisions", "save_figure",
+           "DOT_COLORS"]
 
 _MIB = float(2**20)
 
@@ -42,44 +39,12 @@ DOT_COLORS = {
 
 # ---------------------------------------------------------------------------- files
 def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 120) -> str:
-    """Write a figure as PNG atomically (temporary file in the same folder, then ``os.replace``).
+    """Write ``fig`` to ``path`` as a PNG of ``dpi`` dots per inch, atomically; return the absolute path.
 
-    Parameters
-    ----------
-    fig : matplotlib.figure.Figure
-    path : str or PathLike
-    dpi : int
-
-    Returns
-    -------
-    str
-        The absolute path written.
-
-    Raises
-    ------
-    OSError
-        If the folder is not writable; no partial file is left behind.
+    Raises ``OSError`` as :func:`remat_compiler.files.atomic_write` does (folder not writable; no
+    partial file is left behind).
     """
-    path = os.path.abspath(os.fspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the picture ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def _figure(width_in: float = 9.0, height_in: float = 4.8) -> Figure:
@@ -149,13 +114,22 @@ def plot_timeline(cg: CostGraph, plans: dict[str, Plan], budget_bytes: int | Non
 
 
 # ---------------------------------------------------------------------------- pareto
-def plot_pareto(rows: Sequence["ParetoRow"], path: str | os.PathLike) -> str:
+class PointLike(Protocol):
+    """What :func:`plot_pareto` reads from a row (``remat_compiler.sweep.ParetoRow`` has it)."""
+
+    label: str
+    kind: str
+    budget: str
+    plan: Plan | None
+
+
+def plot_pareto(rows: Sequence[PointLike], path: str | os.PathLike) -> str:
     """Draw recompute FLOP overhead against predicted peak: the budget sweep and hand-picked strategies.
 
     Parameters
     ----------
-    rows : sequence of :class:`remat_compiler.sweep.ParetoRow`
-        Rows with ``kind == "sweep"`` form the curve; ``kind == "strategy"`` rows are marked
+    rows : sequence of PointLike
+        For instance :class:`remat_compiler.sweep.ParetoRow`. Rows with ``kind == "sweep"`` form the curve; ``kind == "strategy"`` rows are marked
         separately. Rows without a plan (infeasible, not applicable) are skipped.
     path : str or PathLike
         PNG to write.
@@ -281,35 +255,3 @@ def plan_to_dot(cg: CostGraph, plan: Plan) -> str:
     lines.append("}")
     return "\n".join(lines) + "\n"
 
-
-# ---------------------------------------------------------------------------- text
-def format_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """Left-aligned plain-text columns with a rule under the header.
-
-    Example
-    -------
-    >>> print(format_table(["a", "bb"], [[1, 2]]))
-    a  bb
-    -  --
-    1  2
-    """
-    table = [[str(c) for c in header], *([str(c) for c in r] for r in rows)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def note_cell(text: str, notes: list[str], *, limit: int = 48) -> str:
-    """A table cell for ``text``: as is when short, else its head and a numbered note in ``notes``.
-
-    Example
-    -------
-    >>> notes = []
-    >>> note_cell("n/a: " + "x" * 60, notes), len(notes)
-    ('n/a [1]', 1)
-    """
-    if len(text) <= limit:
-        return text
-    notes.append(f"[{len(notes) + 1}] {text}")
-    return f"{text.split(':')[0][:limit]} [{len(notes)}]"

@@ -22,6 +22,7 @@ import torch.nn as nn
 import remat_compiler
 import remat_compiler.api
 import remat_compiler.codegen
+import remat_compiler.collectives
 from passes import CostModel
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
@@ -143,7 +144,7 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
     fw, bw = remat_compiler.codegen.emit(compiled.planned.gm, compiled.plan)
     waits = [n for gm in (fw, bw) for n in gm.graph.nodes
              if getattr(n.target, "__name__", "").startswith("wait_tensor")]
-    released = [n.next.target is remat_compiler.codegen.release_collective_inputs for n in waits]
+    released = [n.next.target is remat_compiler.collectives.release_collective_inputs for n in waits]
     return {"peaks": peaks[1:], "predicted": compiled.plan.peak_bytes, "waits": len(waits),
             "released": all(released)}
 

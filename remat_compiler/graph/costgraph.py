@@ -37,6 +37,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from passes import keys
+
 __all__ = ["CostGraph"]
 
 
@@ -75,10 +77,10 @@ class CostGraph:
             If the graph lacks the ``remat.*`` annotations (trace it and run the passes first).
         """
         g = nx.DiGraph()
-        num_fwd = gm.meta.get("remat.num_fwd_outputs")
+        num_fwd = gm.meta.get(keys.NUM_FWD_OUTPUTS)
         if num_fwd is None:
             raise ValueError("graph is not annotated: run passes.run_passes(gm, num_fwd_outputs=...) first")
-        if "remat.hold_outputs" not in gm.meta:
+        if keys.HOLD_OUTPUTS not in gm.meta:
             raise ValueError("graph does not say whether the caller holds its outputs: trace it with "
                              "remat_compiler.trace (or annotate_joint) first")
         for i, n in enumerate(gm.graph.nodes):
@@ -90,33 +92,33 @@ class CostGraph:
                                          for o in outs[num_fwd:]]
                 continue
             val = n.meta.get("val")
-            fw_only = tuple(n.meta.get("remat.recompute_unread", ()))
+            fw_only = tuple(n.meta.get(keys.RECOMPUTE_UNREAD, ()))
             g.add_node(
                 n.name,
                 order=i,
-                phase=n.meta["remat.phase"],
-                storage=n.meta["remat.storage"],
-                bytes=int(n.meta["remat.bytes"]),
-                flops=int(n.meta.get("remat.flops", 0)),
-                runtime_s=float(n.meta.get("remat.runtime_s", 0.0)),
-                comm_bytes=int(n.meta.get("remat.comm_bytes", 0)),
-                never_recompute=bool(n.meta.get("remat.never_recompute", False)),
-                reason=n.meta.get("remat.reason"),
-                is_tuple=bool(n.meta.get("remat.tuple", False)),
+                phase=n.meta[keys.PHASE],
+                storage=n.meta[keys.STORAGE],
+                bytes=int(n.meta[keys.BYTES]),
+                flops=int(n.meta.get(keys.FLOPS, 0)),
+                runtime_s=float(n.meta.get(keys.RUNTIME_S, 0.0)),
+                comm_bytes=int(n.meta.get(keys.COMM_BYTES, 0)),
+                never_recompute=bool(n.meta.get(keys.NEVER_RECOMPUTE, False)),
+                reason=n.meta.get(keys.REASON),
+                is_tuple=bool(n.meta.get(keys.TUPLE, False)),
                 op=_op_name(n),
                 shape=tuple(val.shape) if isinstance(val, torch.Tensor) else None,
                 dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else None,
-                module=n.meta.get("remat.module", ""),
-                block=n.meta.get("remat.block"),
-                moe=n.meta.get("remat.moe"),
+                module=n.meta.get(keys.MODULE, ""),
+                block=n.meta.get(keys.BLOCK),
+                moe=n.meta.get(keys.MOE),
                 fw_only_reads=fw_only,
             )
             for a in n.all_input_nodes:
                 if a.name not in fw_only:
                     g.add_edge(a.name, n.name)
-        g.graph["input_updates"] = sorted(gm.meta.get("remat.input_updates", ()))
-        g.graph["block_container"] = gm.meta.get("remat.block_container")
-        g.graph["hold_outputs"] = bool(gm.meta["remat.hold_outputs"])
+        g.graph["input_updates"] = sorted(gm.meta.get(keys.INPUT_UPDATES, ()))
+        g.graph["block_container"] = gm.meta.get(keys.BLOCK_CONTAINER)
+        g.graph["hold_outputs"] = bool(gm.meta[keys.HOLD_OUTPUTS])
         cg = cls(g)
         g.graph["fingerprint"] = cg._compute_fingerprint()
         return cg
