@@ -133,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(NAMES),
                    help=f"comma-separated, from {','.join(NAMES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="shrunk workloads, short limits (smoke run, tests)")
-    p.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per solve (25; quick 5)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="each solve's time limit in seconds, for the whole solve (25; quick 5)")
     p.add_argument("--workers", type=int, default=8, help="CP-SAT workers (default 8)")
     p.add_argument("--objective", choices=("flops", "runtime"), default="flops",
                    help="CP-SAT's recompute cost (default flops: what the FLOP ratio counts)")

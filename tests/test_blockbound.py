@@ -1,4 +1,4 @@
-"""The block decomposition's bound and plan (solvers/blockbound.py): below every plan that fits, at
+"""The block decomposition's bound and plan (solvers/cpsat/blockbound.py): below every plan that fits, at
 every budget (brute force on a small stack of identical blocks); above the LP relaxation on GPT-2;
 and its plan reaches it there, so the plan is proven optimal."""
 from __future__ import annotations
