@@ -314,6 +314,7 @@ class _Simulator:
 
     def __init__(self, cg: CostGraph, schedule: Schedule):
         self.cg, self.schedule = cg, schedule
+        self.nodes, self.storage = cg.g.nodes, cg.storages  # looked up once: the loop runs per node
         self.F = len(schedule.fw)
         self.recomputed = set(schedule.recomputed)
         self.live: dict[str, tuple[str, str]] = {}         # storage owner -> current instance
@@ -325,12 +326,12 @@ class _Simulator:
     def alloc(self, owner: str, kind: str, ev: int, time: int) -> None:
         key = (owner, kind)
         self.spans[key] = [ev, ev, time, time]
-        self.sizes[key] = self.cg.g.nodes[owner]["bytes"]
+        self.sizes[key] = self.nodes[owner]["bytes"]
         self.live[owner] = key
 
     def use(self, n: str, ev: int, time: int, reader: str) -> None:
-        nodes = self.cg.g.nodes
-        owner = self.cg.storage(n)
+        nodes = self.nodes
+        owner = self.storage[n]
         if owner is None or nodes[owner]["phase"] == "input" or nodes[owner]["bytes"] == 0:
             return  # resident, or an empty storage (``torch.tensor([])``): nothing to keep alive
         key = self.live.get(owner)
@@ -341,19 +342,19 @@ class _Simulator:
 
     def step(self, n: str, kind: str, time: int) -> None:
         """Run node ``n`` (``kind`` "fw", "rc", "rcK" or "bw") at ``time``."""
-        cg, nodes = self.cg, self.cg.g.nodes
+        cg, nodes, storage = self.cg, self.nodes, self.storage
         ev = len(self.order)
         self.order.append(n)
         self.times.append(time)
         for p in cg.fw_preds(n) if kind == "fw" else cg.preds(n):  # a recomputation reads less
             self.use(p, ev, time, n)
-        if cg.storage(n) == n and nodes[n]["bytes"] > 0 and self.live.get(n) != (n, kind):
+        if storage[n] == n and nodes[n]["bytes"] > 0 and self.live.get(n) != (n, kind):
             self.alloc(n, kind, ev, time)
         if not nodes[n]["is_tuple"]:
             return
         for u in cg.g.successors(n):  # a multi-output op allocates every output it returns at once
             taken = u in self.recomputed if kind.startswith("rc") else nodes[u]["phase"] == nodes[n]["phase"]
-            if cg.storage(u) == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" and taken:
+            if storage[u] == u and nodes[u]["bytes"] > 0 and nodes[u]["op"] == "getitem" and taken:
                 self.alloc(u, kind, ev, time)
         if kind.startswith("rc"):  # and, for an instant, those a recomputation does not take
             for u in recomputed_outputs(cg, n):

@@ -223,10 +223,11 @@ class CostGraph:
                 for n, a in self.g.nodes(data=True) if a.get("fw_only_reads")}
 
     def storage(self, name: str) -> str | None:
-        return self._storage[name]
+        return self.storages[name]
 
     @cached_property
-    def _storage(self) -> dict[str, str | None]:
+    def storages(self) -> dict[str, str | None]:
+        """Every node's storage owner, as one dict (for the simulator's inner loop)."""
         return {n: a["storage"] for n, a in self.g.nodes(data=True)}
 
     # ------------------------------------------------------------------ derived sets

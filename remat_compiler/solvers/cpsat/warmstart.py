@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from remat_compiler.graph import block_boundary_set, block_classes, block_stack
-from remat_compiler.schedule import peak_of, save_all_set
+from remat_compiler.schedule import no_recompute, peak_of, save_all_set
 from remat_compiler.solvers.cpsat.blockbound import block_bound
 from remat_compiler.solvers.cpsat.blockwise import blockwise_saved_set
 from remat_compiler.solvers.cpsat.costs import flop_gap
@@ -52,7 +52,7 @@ def seed(job: Job, *, heuristics: bool, block_reuse: bool, block_reuse_share: fl
     cg, budget = job.cg, job.budget_bytes
     all_saved = set(save_all_set(cg))
     T = job.deadline.seconds
-    if budget is None or peak_of(cg, all_saved) <= budget:
+    if budget is None or no_recompute(cg).peak_bytes <= budget:
         return Seed(all_saved if job.complies(all_saved) else None)
     if not heuristics:
         return Seed()
