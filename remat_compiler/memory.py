@@ -1,20 +1,34 @@
-"""Measure what a training step really allocates: live tensor-storage bytes, tracked op by op.
+"""Measure what a training step really allocates.
 
 :class:`LiveStorageTracker` is a ``TorchDispatchMode``: every aten op's outputs that do not share
 storage with its inputs are new allocations; a weak reference on each storage tells when it is freed.
 The peak is the largest sum of live new storage bytes, i.e. the step's peak above what was resident
 before it (parameters, inputs and optimizer state are not counted, parameter gradients created in
 backward are). Allocator caching and kernel workspaces are not storages and are not counted.
+
+:class:`ResidentPeak` sees what the dispatcher does not (Inductor's generated code allocates its
+buffers itself): the growth of the process's resident set over a block, from the kernel's high-water
+mark (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``). It is exact only where freed memory
+goes back to the kernel: run it in a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536``
+(:data:`RSS_ENV`), so every buffer of 64 KiB or more is its own mapping, unmapped when freed; smaller
+allocations and first-touched code pages are noise, which a warm-up step before the measured one
+removes. Linux only.
 """
 from __future__ import annotations
 
+import gc
+import os
 import weakref
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveStorageTracker", "measure_step_peak"]
+__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "RSS_ENV"]
+
+#: The environment a process measuring with :class:`ResidentPeak` must start with (glibc reads it at
+#: startup): allocations of 64 KiB or more are mmapped and returned to the kernel when freed.
+RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _traced(t: torch.Tensor) -> bool:
@@ -86,3 +100,57 @@ def measure_step_peak(step_fn, record_timeline: bool = False) -> LiveStorageTrac
     with tracker:
         step_fn()
     return tracker
+
+
+def _status_bytes(*fields: str) -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in fields:
+                values[key] = int(rest.split()[0]) * 1024  # the kernel reports kB
+    return values
+
+
+class ResidentPeak:
+    """Peak growth of the resident set over the ``with`` block, in bytes.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        The high-water mark of the resident set during the block, less the resident set at its
+        start.
+
+    Raises
+    ------
+    RuntimeError
+        On entry, if this process cannot reset its high-water mark (not Linux), or was not started
+        with :data:`RSS_ENV` (freed buffers would stay resident and the figure would be wrong).
+
+    Example
+    -------
+    >>> with ResidentPeak() as rss:          # in a process started with RSS_ENV  # doctest: +SKIP
+    ...     step()
+    >>> rss.peak_bytes                                                            # doctest: +SKIP
+    """
+
+    def __init__(self):
+        self.peak_bytes = 0
+        self._start = 0
+
+    def __enter__(self) -> "ResidentPeak":
+        missing = {k: v for k, v in RSS_ENV.items() if os.environ.get(k) != v}
+        if missing:
+            raise RuntimeError(f"ResidentPeak needs a process started with {missing} (glibc reads it at "
+                               f"startup); run the measurement in a fresh process with that environment")
+        if not os.path.exists("/proc/self/clear_refs"):
+            raise RuntimeError("ResidentPeak reads Linux's /proc/self: not available on this system")
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident set
+        self._start = _status_bytes("VmRSS")["VmRSS"]
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.peak_bytes = _status_bytes("VmHWM")["VmHWM"] - self._start
+        return False

@@ -1,0 +1,100 @@
+"""Does peak resident-set growth (:class:`remat_compiler.memory.ResidentPeak`) measure what the
+dispatch-mode tracker measures? On eager steps, where the tracker sees every allocation, the two must
+agree; the RSS method is then the one that also sees Inductor's buffers.
+
+::
+
+    python -m benchmarks.rss_check            # a table: tracker peak, RSS peak, difference
+
+Each row runs in a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536``: one warm-up step, one
+step under the tracker, one under ``ResidentPeak`` (gradients reset to None before each, as training
+starts a step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from remat_compiler.memory import RSS_ENV
+
+__all__ = ["CASES", "measure_case", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The eager cases (where the two methods must agree) and one under torch.compile's Inductor, whose
+#: buffers the tracker does not see.
+CASES = ("mlp", "mlp-wide", "gpt2-small", "mlp-inductor")
+
+
+def _build(case: str):
+    import torch
+
+    torch.manual_seed(0)
+    if case.startswith("mlp"):
+        from examples.models import MLPChain
+
+        width, depth, batch = (512, 8, 256) if case == "mlp" else (1024, 6, 512)
+        model = MLPChain(width, depth)
+        x = torch.randn(batch, width)
+        return model, (x,), {}, lambda out: out.float().square().mean() if out.dim() else out
+    from examples.gpt2 import build
+
+    model, inputs, _ = build(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, batch=2, seq=128, dropout=0.0)
+    return model, (), inputs, lambda out: out.loss
+
+
+def _child(case: str) -> dict:
+    """Runs in the fresh process: the tracker's and the resident set's peak of one eager step."""
+    import torch
+
+    from remat_compiler.memory import LiveStorageTracker, ResidentPeak
+
+    torch.set_num_threads(1)  # one thread: no per-thread arenas growing between the two steps
+    model, args, kwargs, loss_fn = _build(case.removesuffix("-inductor"))
+    if case.endswith("-inductor"):
+        model = torch.compile(model)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        loss_fn(model(*args, **kwargs)).backward()
+    step()
+    step()  # warm-up: kernels, code pages, autograd's first-use allocations
+    with LiveStorageTracker() as tracker:
+        step()
+    for p in model.parameters():
+        p.grad = None
+    with ResidentPeak() as rss:
+        step()
+    return {"case": case, "tracker_bytes": tracker.peak_bytes, "rss_bytes": rss.peak_bytes}
+
+
+def measure_case(case: str, timeout_s: float = 300) -> dict:
+    """Measure ``case`` in a fresh process started with :data:`~remat_compiler.memory.RSS_ENV`."""
+    env = {**os.environ, **RSS_ENV, "PYTHONPATH": str(ROOT)}
+    code = f"import json; from benchmarks.rss_check import _child; print(json.dumps(_child({case!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring {case} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    args = p.parse_args(argv)
+    print(f"{'case':14} {'tracker (MiB)':>14} {'RSS (MiB)':>10} {'RSS / tracker':>14}")
+    for case in args.cases.split(","):
+        r = measure_case(case)
+        print(f"{case:14} {r['tracker_bytes'] / 2**20:14.2f} {r['rss_bytes'] / 2**20:10.2f} "
+              f"{r['rss_bytes'] / r['tracker_bytes']:14.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
