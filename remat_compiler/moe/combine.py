@@ -18,15 +18,25 @@ unpermute applies them there). Backward gathers the *unscaled* ``G`` into the ca
 (through the inverse of the slot map, :func:`assignment_of_rows`) and sends it to the experts through the all-to-all that reverses the combine, and sends the
 probabilities along in a second, small all-to-all of one scalar per row. ``dL/dp`` (one scalar per
 row) comes back through a third small all-to-all. With one rank none of these calls is issued.
+
+Memory of the backward. AOTAutograd traces ``FusedCombine.backward`` into aten ops and functionalizes
+them, so an in-place ``H.mul_(p)`` written there becomes an out-of-place ``mul`` and the traced
+backward holds ``H`` and ``p * H`` (two ``[rows, F]`` tensors) at once, more than the ``y`` it never
+saved when ``F > H / 2``. :func:`combine_dgrad` is therefore one custom op (opaque to the trace, like
+``passes.loss``'s fused cross-entropy backward): it makes ``H`` with the dgrad GEMM, takes the row
+dot products, scales ``H`` in place and returns it as ``dL/da``; its only allocations are its two
+outputs, which the plan's simulator counts like any op's.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.flop_counter import bmm_flop, register_flop_formula
 
 from ._dist import expert_to_token, group_world_size, token_to_expert
 
-__all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "assignment_of_rows", "rowdot"]
+__all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "assignment_of_rows", "rowdot",
+           "combine_dgrad"]
 
 
 def weighted_unpermute(y_tok: torch.Tensor, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -87,13 +97,60 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.view(*a.shape[:-1], 1)
 
 
+@torch.library.custom_op("remat::combine_dgrad", mutates_args=())
+def combine_dgrad(grad_exp: torch.Tensor, w2: torch.Tensor, act: torch.Tensor,
+                  p_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad GEMM of the fused combine, with ``d(probs)`` taken from it, in one ``[rows, F]`` buffer.
+
+    Parameters
+    ----------
+    grad_exp : torch.Tensor
+        ``[E_local, rows, H]`` unscaled ``G`` on the expert side (zero rows where unused).
+    w2 : torch.Tensor
+        ``[E_local, F, H]``.
+    act : torch.Tensor
+        ``[E_local, rows, F]`` saved SwiGLU output (contiguous, as SwiGLU makes it).
+    p_exp : torch.Tensor
+        ``[E_local, rows, 1]`` probability of each row (zero where unused).
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``dL/da = p * (G W2^T)`` (``[E_local, rows, F]``) and ``dL/dp = <G W2^T, a>`` per row
+        (``[E_local, rows, 1]``). ``G W2^T`` is made once and scaled in place: the op allocates
+        nothing but its outputs (the row dot products are a batched GEMM, no ``[rows, F]`` product).
+
+    Example
+    -------
+    >>> grad_act, dp = combine_dgrad(g_exp, w2, act, p_exp)  # doctest: +SKIP
+    """
+    h = torch.bmm(grad_exp, w2.transpose(1, 2))  # G W2^T, [E_local, rows, F]
+    dp = rowdot(h, act)  # <G W2^T, a> = <G, y>: read before the scaling
+    return h.mul_(p_exp), dp
+
+
+@combine_dgrad.register_fake
+def _(grad_exp, w2, act, p_exp):
+    rows = (*grad_exp.shape[:2],)
+    return grad_exp.new_empty(*rows, w2.shape[1]), grad_exp.new_empty(*rows, 1)
+
+
+@register_flop_formula(torch.ops.remat.combine_dgrad)
+def _combine_dgrad_flop(grad_shape, w2_shape, act_shape, p_shape, out_shape=None, **kwargs) -> int:
+    """The dgrad GEMM and the row dot products (as ``bmm`` counts them), the scaling left out."""
+    experts, rows, hidden = grad_shape
+    width = w2_shape[1]
+    return (bmm_flop(grad_shape, (experts, hidden, width))
+            + bmm_flop((experts * rows, 1, width), (experts * rows, width, 1)))
+
+
 class FusedCombine(torch.autograd.Function):
     """GEMM2 + combine all-to-all + probability-weighted unpermute with a memory-lean backward.
 
     See the module docstring for the math. Use through :func:`fused_combine`. The backward's
-    transients are at most one GEMM1-output-sized pair (``H`` and ``dL/da``); it gathers ``G`` into
-    the capacity buffer (no per-assignment copy of ``G``) and takes ``d(probs)`` as a batched row dot
-    product (no ``H * a`` temp).
+    largest transient is one ``[E_local, W*C, F]`` buffer (``H``, scaled in place into ``dL/da`` by
+    :func:`combine_dgrad`); it gathers ``G`` into the capacity buffer (no per-assignment copy of
+    ``G``) and takes ``d(probs)`` as a batched row dot product (no ``H * a`` temp).
     """
 
     @staticmethod
@@ -123,14 +180,16 @@ class FusedCombine(torch.autograd.Function):
         p_exp = token_to_expert(p_tok, group, differentiable=False)  # [E_local, W*C, 1]
 
         grad_w2 = torch.bmm(act.transpose(1, 2), g_exp * p_exp) if ctx.needs_input_grad[1] else None
-        h = torch.bmm(g_exp, w2.transpose(1, 2))  # dgrad GEMM, [E_local, W*C, F]
-        grad_probs = None
+        grad_act = grad_probs = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            # dgrad GEMM, scaled in place after d(probs) is read off it: one [E_local, W*C, F] buffer
+            grad_act, dp_exp = combine_dgrad(g_exp, w2, act, p_exp)
         if ctx.needs_input_grad[2]:
-            dp_exp = rowdot(h, act)  # <G W2^T, a> = <G, y>
             dp_tok = expert_to_token(dp_exp, group, differentiable=False).reshape(num_rows)
             dp_tok = torch.cat([dp_tok, dp_tok.new_zeros(1)])  # dropped assignments get 0
             grad_probs = dp_tok.index_select(0, slot.reshape(-1)).view(tokens, top_k)
-        grad_act = h * p_exp if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[0]:
+            grad_act = None
         return grad_act, grad_w2, grad_probs, None, None
 
 

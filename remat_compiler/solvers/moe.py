@@ -33,15 +33,15 @@ import time
 from collections import defaultdict
 
 
-from remat_compiler.errors import StrategyNotApplicableError
+from remat_compiler.errors import StrategyNotApplicableError, StrategyOverBudgetError
 from remat_compiler.graph import CostGraph
-from remat_compiler.plan import Plan
-from remat_compiler.schedule import save_all_set
+from remat_compiler.plan import Plan, make_plan
+from remat_compiler.schedule import rerunnable, save_all_set
 from remat_compiler.solvers.baselines import fixed_plan
 from remat_compiler.solvers.cpsat import solve_cpsat
 
 __all__ = ["moe_segments", "segment_inputs", "origin_saved_set", "fast_saved_set",
-           "solve_moe_origin", "solve_moe_fast", "solve_moe_custom", "solve_moe_cpsat"]
+           "act_reruns", "solve_moe_origin", "solve_moe_fast", "solve_moe_custom", "solve_moe_cpsat"]
 
 
 def moe_segments(cg: CostGraph) -> dict[str, dict[str, list[str]]]:
@@ -199,7 +199,37 @@ def solve_moe_custom(cg: CostGraph, budget_bytes: int | None) -> Plan:
     """
     t0 = time.perf_counter()
     _require_fused(cg, "moe_custom")
-    return fixed_plan(cg, fast_saved_set(cg, name="moe_custom"), budget_bytes, "moe_custom", t0)
+    saved = fast_saved_set(cg, name="moe_custom")
+    plain = make_plan(cg, saved, budget_bytes=budget_bytes, solver="moe_custom")
+    rerun = act_reruns(cg)
+    plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="moe_custom", rerun=rerun) if rerun else plain
+    plan = plan if plan.peak_bytes < plain.peak_bytes else plain
+    plan.solve_time_s = time.perf_counter() - t0
+    if budget_bytes is not None and plan.peak_bytes > budget_bytes:
+        raise StrategyOverBudgetError("moe_custom", budget_bytes, plan.peak_bytes)
+    return plan
+
+
+def act_reruns(cg: CostGraph) -> list[tuple[str, int]]:
+    """Reruns that drop each recomputed activation value between the fused combine's backward and the
+    activation's own backward: ``(v, j)`` with ``j`` the first activation-role backward step reading ``v``.
+
+    The fused backward reads the SwiGLU output ``a`` after its dgrad GEMM (``d(probs) = <G W2^T, a>``),
+    so ``a``, its GEMM input ``G`` and the dgrad output are live at once; without reruns the
+    recomputed ``silu(gate)`` (read again only by the SwiGLU backward) is held across that moment too.
+    Recomputing it a second time costs a pointwise op and no counted FLOPs.
+    """
+    index = cg.bw_index
+    reruns = []
+    for roles in moe_segments(cg).values():
+        for v in roles.get("act", []):
+            if not rerunnable(cg, v):
+                continue
+            steps = sorted(index[u] for u in cg.g.successors(v)
+                           if u in index and (cg.attr(u, "moe") or {}).get("role") == "act")
+            if steps:
+                reruns.append((v, steps[0]))
+    return reruns
 
 
 def solve_moe_cpsat(cg: CostGraph, budget_bytes: int | None, **opts) -> Plan:

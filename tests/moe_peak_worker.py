@@ -1,0 +1,126 @@
+"""Helpers of tests/test_moe_custom_peak.py, and the rank entry point its gloo test spawns.
+
+For each shape of :data:`SHAPES` it builds the same MoE model (float64, seed 0) with its loss
+``(out ** 2).mean()`` inside, runs the step eagerly, then compiles it with ``moe_fast`` and with
+``moe_custom`` and records, per strategy: the gradients, the plan's predicted peak and saved bytes,
+the measured step peaks of a few steps (:class:`~remat_compiler.memory.LiveStorageTracker`), and
+whether the plan's simulated peak lies in the backward of an MoE segment (and of which role).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import remat_compiler
+from remat_compiler.memory import LiveStorageTracker
+from remat_compiler.moe import MoEStack
+from remat_compiler.schedule import simulate
+
+__all__ = ["SHAPES", "STRATEGIES", "make_model", "make_tokens", "y_bytes", "run_shape", "run_rank"]
+
+# F > H and F < H, top-2 and top-1, one layer and two; 4 experts, 32 tokens a rank, float64.
+# capacity_factor 2.0: top-2 drops nothing (2.0 = E / top_k), top-1 can drop assignments.
+# ``open``: F < H, where custom's peak is still above fast's (see tests/test_moe_custom_peak.py).
+SHAPES = [
+    dict(num_layers=1, hidden_size=16, ffn_hidden_size=24, top_k=2),
+    dict(num_layers=1, hidden_size=24, ffn_hidden_size=12, top_k=2, open=True),
+    dict(num_layers=1, hidden_size=16, ffn_hidden_size=40, top_k=1),
+    dict(num_layers=2, hidden_size=24, ffn_hidden_size=8, top_k=1, open=True),
+    dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2),
+]
+NUM_EXPERTS, TOKENS = 4, 32
+STRATEGIES = ("moe_fast", "moe_custom")
+STEPS = 3
+TIMEOUT_S = 120
+
+
+class MeanSquare(nn.Module):
+    """The model with its loss ``(out ** 2).mean()`` inside, so the whole step is planned."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).pow(2).mean()
+
+
+def make_model(shape: dict, group=None) -> MeanSquare:
+    torch.manual_seed(0)
+    stack = MoEStack(shape["num_layers"], shape["hidden_size"], shape["ffn_hidden_size"], NUM_EXPERTS,
+                     shape["top_k"], group=group)
+    return MeanSquare(stack).double()
+
+
+def make_tokens(shape: dict, world: int = 1, rank: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(world * TOKENS, shape["hidden_size"], generator=gen, dtype=torch.float64)
+    return x[rank * TOKENS:(rank + 1) * TOKENS].clone()
+
+
+def y_bytes(shape: dict) -> int:
+    """Bytes of the gathered expert outputs ``[T * top_k, H]`` that the autograd combine saves, all layers."""
+    return shape["num_layers"] * TOKENS * shape["top_k"] * shape["hidden_size"] * 8
+
+
+def _step(model, x) -> dict:
+    params = dict(getattr(model, "original", model).named_parameters())
+    for p in params.values():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    loss = model(x)
+    loss.backward()
+    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in params.items()}}
+
+
+def _measured_peaks(model, x) -> list[int]:
+    peaks = []
+    for _ in range(STEPS):
+        for p in model.parameters():
+            p.grad = None
+        xx = x.detach().clone().requires_grad_(True)
+        with LiveStorageTracker() as mem:
+            model(xx).backward()
+        peaks.append(mem.peak_bytes)
+    return peaks
+
+
+def _peak_place(module) -> dict:
+    """Where the plan's simulated peak is: phase and MoE role of the node running then."""
+    cg, plan = module.planned.cg, module.plan
+    sim = simulate(cg, plan.schedule)
+    node = sim.peak_node
+    tag = cg.attr(node, "moe") or {}
+    phase = "bw" if sim.peak_time >= sim.num_fw_steps else "fw"  # a recomputation runs in backward
+    segments = sorted({(cg.attr(n, "moe") or {}).get("segment") for n in cg.fw_order} - {None})
+    before = segments.index(tag["segment"]) if tag.get("segment") in segments else 0
+    return {"node": node, "phase": phase, "role": tag.get("role"), "layers_before": before}
+
+
+def run_shape(shape: dict, group=None, world: int = 1, rank: int = 0) -> dict:
+    """Eager gradients and, per strategy, gradients, predicted / measured peaks and the peak's place."""
+    x = make_tokens(shape, world, rank)
+    out = {"eager": _step(make_model(shape, group), x)}
+    for name in STRATEGIES:
+        module = remat_compiler.compile(make_model(shape, group), solver=name)
+        grads = _step(module, x)  # the first call traces and plans
+        out[name] = {"grads": grads, "predicted": module.plan.peak_bytes, "saved": module.plan.saved_bytes,
+                     "measured": _measured_peaks(module, x), "peak_at": _peak_place(module)}
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Every shape on this rank of an expert-parallel gloo group; results saved for the parent."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        results = [run_shape(shape, dist.group.WORLD, world, rank) for shape in SHAPES]
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
