@@ -37,7 +37,7 @@ from remat_compiler.schedule import SimResult
 from remat_compiler.solvers import Strategy, get_solver, resolve_budget
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, annotate_joint, aot_step, flatten_step,
-                                  is_inplace_after_save, run_traced, signature_of, trace)
+                                  is_inplace_after_save, run_traced, signature_of, trace, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
            "PlannedGraph"]
@@ -179,7 +179,8 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     Parameters
     ----------
     model, args, kwargs :
-        The model and an example call (only shapes and dtypes matter).
+        The model and an example call (only shapes and dtypes matter: parameters, buffers and
+        inputs may be on the meta device, and the plan is the one real CPU tensors give).
     memory_budget, solver, cost_model, hold_outputs, policy, plan, **solver_options :
         As :func:`compile` takes them.
 
@@ -309,6 +310,12 @@ class CompiledModule(torch.nn.Module):
         return self._call(entry, state + flat, entry.gate)
 
     def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor]):
+        if any(without_data(t) for t in step.state_tensors() + flat):
+            raise ValueError(
+                "a model or inputs on the meta device (or FakeTensors) hold no data, so the compiled "
+                "module cannot run a training step with them. Plan without weights with "
+                "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
+                "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
         entry = _Entry(step=step, fn=None)
         entry.fn = aot_step(step, self._partition(entry))
         record = GradRecord(entry)
