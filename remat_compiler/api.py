@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 import warnings
@@ -30,6 +31,7 @@ from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
+from remat_compiler.plan_cache import PlanCache, cache_key, key_fields
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
@@ -37,7 +39,7 @@ from remat_compiler.schedule import SimResult
 from remat_compiler.solvers import Strategy, get_solver, resolve_budget
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, annotate_joint, aot_step, flatten_step,
-                                  is_inplace_after_save, run_traced, signature_of, trace)
+                                  is_inplace_after_save, run_traced, signature_of, trace, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
            "PlannedGraph"]
@@ -59,6 +61,9 @@ class PlanSpec:
     cost_model : passes.CostModel, optional
     plan : Plan, optional
         Apply this plan instead of solving.
+    plan_cache : PlanCache, optional
+        Look the plan up here before solving, and store what is solved
+        (:mod:`remat_compiler.plan_cache`).
     """
 
     budget: Budget
@@ -67,18 +72,20 @@ class PlanSpec:
     policy: Policy | None = None
     cost_model: CostModel | None = None
     plan: Plan | None = None
+    plan_cache: PlanCache | None = None
 
     @classmethod
     def make(cls, memory_budget, solver, options: Mapping, *, policy: Policy | None = None,
-             cost_model: CostModel | None = None, plan: Plan | str | bytes | None = None) -> "PlanSpec":
+             cost_model: CostModel | None = None, plan: Plan | str | bytes | None = None,
+             plan_cache: PlanCache | str | os.PathLike | None = None) -> "PlanSpec":
         """Parse and check everything a plan needs before any tracing.
 
         Raises
         ------
         ValueError
             For a budget that is not one of the accepted forms, an unknown solver, an option it does
-            not take, a time limit that is not positive, a policy for a solver that takes none, or a
-            ``plan`` that is not a plan.
+            not take, a time limit that is not positive, a policy for a solver that takes none, a
+            ``plan`` that is not a plan, or both ``plan`` and ``plan_cache``.
         """
         strategy = get_solver(solver)
         strategy.check_options(options)
@@ -91,7 +98,11 @@ class PlanSpec:
         elif plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got "
                              f"{type(plan).__name__}")
-        return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan)
+        if plan is not None and plan_cache is not None:
+            raise ValueError("plan= applies a given plan and plan_cache= looks plans up: pass one of them")
+        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
+            plan_cache = PlanCache(plan_cache)
+        return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan, plan_cache)
 
 
 @dataclass
@@ -105,6 +116,7 @@ class PlannedGraph:
     fw: fx.GraphModule | None = None
     bw: fx.GraphModule | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    source: str = "solved"  # "solved", "given" (plan=), "cache" (plan_cache=) or "rank 0"
 
 
 def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
@@ -120,14 +132,14 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
     with _timed(spent, "annotate"):
         gm, cg = annotate(joint, num_fwd_outputs, spec.cost_model)
     with _timed(spent, "solve"):
-        plan = decide(cg, spec, memo=memo)
+        plan, source = decide_with_source(cg, spec, memo=memo)
     with _timed(spent, "check"):
         sim = check_plan(cg, plan)
     with _timed(spent, "emit"):
         fw, bw = emit(gm, plan)
     with _timed(spent, "check emitted"):
         check_emitted(fw, bw, plan, cg)
-    return PlannedGraph(gm, cg, plan, sim, fw, bw, spent)
+    return PlannedGraph(gm, cg, plan, sim, fw, bw, spent, source)
 
 
 def annotate(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None
@@ -138,8 +150,16 @@ def annotate(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel 
 
 
 def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> Plan:
-    """The plan for ``cg``: the given one (if it is for this graph and fits the budget), else the
-    strategy's, made on rank 0 alone under torch.distributed."""
+    """The plan for ``cg``: the given one (if it is for this graph and fits the budget), a cached
+    one (``spec.plan_cache``, verified), else the strategy's, made on rank 0 alone under
+    torch.distributed."""
+    return decide_with_source(cg, spec, memo=memo)[0]
+
+
+def decide_with_source(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None
+                       ) -> tuple[Plan, str]:
+    """:func:`decide`, and where the plan came from: ``"given"``, ``"cache"``, ``"solved"``, or
+    ``"rank 0"`` on the other ranks under torch.distributed."""
     if spec.plan is not None:
         spec.plan.check_applies_to(cg)
         budget_bytes = resolve_budget(cg, spec.budget)
@@ -147,17 +167,32 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> P
             raise PlanMismatchError(
                 f"the plan given peaks at {spec.plan.peak_bytes} bytes, above memory_budget "
                 f"{budget_bytes} bytes: pass a larger budget, or leave plan= out to re-plan under this one")
-        return spec.plan
+        return spec.plan, "given"
     options = dict(spec.options)
     if spec.policy is not None:
         options["forced_saved"], options["forbidden_saved"] = apply_policy(cg, spec.policy)
     if memo is not None and spec.strategy.options is not None and "memo" in spec.strategy.options \
             and not options.get("deterministic"):
         options.setdefault("memo", memo)
+    source = ["solved"]
 
     def solve() -> Plan:
-        return spec.strategy.solve(cg, resolve_budget(cg, spec.budget), **options)
-    return plan_on_rank0(solve) if distributed() else solve()
+        budget_bytes = resolve_budget(cg, spec.budget)
+        if spec.plan_cache is None:
+            return spec.strategy.solve(cg, budget_bytes, **options)
+        key_args = (cg, budget_bytes, spec.cost_model or CostModel(), spec.strategy, options)
+        key, fields = cache_key(*key_args), key_fields(*key_args)
+        plan = spec.plan_cache.load(key, cg, budget_bytes)
+        if plan is not None:
+            source[0] = "cache"
+            return plan
+        plan = spec.strategy.solve(cg, budget_bytes, **options)
+        spec.plan_cache.store(key, plan, fields)
+        return plan
+    if distributed():
+        plan = plan_on_rank0(solve)
+        return plan, source[0] if torch.distributed.get_rank() == 0 else "rank 0"
+    return solve(), source[0]
 
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
@@ -173,14 +208,15 @@ def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, memory_budget=None, *,
                solver: str | Callable[..., Plan] | Strategy = "cpsat", cost_model: CostModel | None = None,
                hold_outputs: bool = True, policy: Policy | None = None, plan: Plan | str | None = None,
-               **solver_options) -> PlannedGraph:
+               plan_cache: PlanCache | str | os.PathLike | None = None, **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
     ----------
     model, args, kwargs :
-        The model and an example call (only shapes and dtypes matter).
-    memory_budget, solver, cost_model, hold_outputs, policy, plan, **solver_options :
+        The model and an example call (only shapes and dtypes matter: parameters, buffers and
+        inputs may be on the meta device, and the plan is the one real CPU tensors give).
+    memory_budget, solver, cost_model, hold_outputs, policy, plan, plan_cache, **solver_options :
         As :func:`compile` takes them.
 
     Returns
@@ -192,7 +228,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     ValueError, InfeasibleBudgetError, UntraceableModelError, PlanMismatchError
     """
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
-                         plan=plan)
+                         plan=plan, plan_cache=plan_cache)
     spent: dict[str, float] = {}
     with _timed(spent, "trace"), spec.strategy.prepared(model):
         traced = trace(model, args, kwargs, hold_outputs=hold_outputs)
@@ -309,6 +345,12 @@ class CompiledModule(torch.nn.Module):
         return self._call(entry, state + flat, entry.gate)
 
     def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor]):
+        if any(without_data(t) for t in step.state_tensors() + flat):
+            raise ValueError(
+                "a model or inputs on the meta device (or FakeTensors) hold no data, so the compiled "
+                "module cannot run a training step with them. Plan without weights with "
+                "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
+                "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
         entry = _Entry(step=step, fn=None)
         entry.fn = aot_step(step, self._partition(entry))
         record = GradRecord(entry)
@@ -408,7 +450,8 @@ def _check_wrapper(model: torch.nn.Module) -> None:
 
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",
             cost_model: CostModel | None = None, plan: Plan | str | None = None, hold_outputs: bool = True,
-            policy: Policy | None = None, **solver_options) -> CompiledModule:
+            policy: Policy | None = None, plan_cache: PlanCache | str | os.PathLike | None = None,
+            **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
     Parameters
@@ -431,6 +474,11 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     policy : callable, optional
         Hard decisions the solver obeys (:mod:`remat_compiler.policies`: ``save_matmuls``,
         ``save_only(...)``, ``never_save(...)``, ``first_of(...)``), given with ``solver="cpsat"``.
+    plan_cache : str, PathLike or PlanCache, optional
+        A folder of plans (:mod:`remat_compiler.plan_cache`): a plan for the same graph, budget,
+        cost model, solver and options is read from it (verified; a corrupt or mismatched file is
+        reported with a ``PlanCacheWarning`` and re-planned) instead of solving, and each new plan
+        is written to it atomically, so later processes reuse it. Not with ``plan``.
     hold_outputs : bool
         True (default, safe): the caller keeps the model's outputs until backward ends, as in
         ``out = m(x); loss_fn(out, y).backward()``; they count to the end of the step. False: the
@@ -452,7 +500,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     ------
     ValueError
         For a budget that is not one of the accepted forms, an unknown solver or an option it does
-        not take, a time limit that is not positive, a ``plan`` that is not a plan, or a wrapper
+        not take, a time limit that is not positive, a ``plan`` that is not a plan, both ``plan`` and
+        ``plan_cache``, or a wrapper
         that cannot be compiled (``DDP(model)``: compile first, then wrap; ``torch.compile(model)``:
         pass the model).
 
@@ -461,7 +510,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     >>> m = remat_compiler.compile(model, memory_budget="1.5GiB")   # doctest: +SKIP
     >>> loss_fn(m(x), y).backward(); print(m.plan.explain())         # doctest: +SKIP
     """
-    spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model, plan=plan)
+    spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model, plan=plan,
+                         plan_cache=plan_cache)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
     _check_wrapper(model)

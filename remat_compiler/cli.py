@@ -6,6 +6,7 @@
     remat-compiler plan examples/gpt2.py:build --budget 1GiB --format table|json|dot [-o FILE]
     remat-compiler plan examples/gpt2.py:build --budget 0.4 --timeline timeline.png
     remat-compiler plan examples/gpt2.py:build --load plan.json      # re-apply a saved plan
+    remat-compiler plan examples/gpt2.py:build --budget 0.5 --plan-cache ~/.cache/remat   # reuse plans
     remat-compiler pareto examples/gpt2.py:build --budgets 1.0,0.8,0.6,0.4,0.3 --png pareto.png
     remat-compiler compare examples/moe.py:build --strategies save_all,cpsat --budget 0.95
 
@@ -75,14 +76,17 @@ drop_outputs_option = click.option(
 # ---------------------------------------------------------------------------- pipeline helpers
 def _solve(console: Console, workload: Workload, budget: str | None, solver: str,
            time_limit_s: float | None, *, hold_outputs: bool = True,
-           objective: str | None = None) -> PlannedGraph:
+           objective: str | None = None, plan_cache: str | None = None) -> PlannedGraph:
     """The pipeline on the workload's step, with progress and step timings."""
     with console.progress(solver) as progress:
         opts = get_solver(solver).options_in({"time_limit_s": time_limit_s, "progress": progress,
                                               "objective": objective})
         planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=solver,
-                             hold_outputs=hold_outputs, **opts)
+                             hold_outputs=hold_outputs, plan_cache=plan_cache, **opts)
     _report_steps(console, planned)
+    if plan_cache is not None:
+        console.note(f"plan {'read from' if planned.source == 'cache' else 'solved and written to'} "
+                     f"the plan cache {plan_cache}")
     return planned
 
 
@@ -176,17 +180,24 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
 @click.option("--all", "all_rows", is_flag=True, help="Table: print every row.")
 @click.option("--objective", type=click.Choice(["runtime", "flops"]), default=None,
               help="CP-SAT's recompute cost: estimated runtime (default) or counted FLOPs.")
+@click.option("--plan-cache", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Reuse a plan from this folder for the same graph, budget, cost model and options "
+                   "(a corrupt or mismatched file is re-planned); write new plans there.")
 @drop_outputs_option
 @time_limit_option
 @click.pass_context
 def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | None, solver: str,
          fmt: str, output: str | None, timeline: str | None, load_path: str | None, all_rows: bool,
-         objective: str | None, drop_outputs: bool, time_limit_s: float | None) -> None:
-    """Trace MODULE:FACTORY's training step, plan it under --budget and print the plan."""
+         objective: str | None, plan_cache: str | None, drop_outputs: bool, time_limit_s: float | None
+         ) -> None:
+    """Trace MODULE:FACTORY's training step, plan it under --budget and print the plan.
+
+    The factory may build the model on the meta device (``with torch.device("meta"):``): planning
+    needs shapes and dtypes only, and the plan is the one real weights give."""
     console: Console = ctx.obj
     if load_path is not None:
         options = {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
-                   "objective": "--objective"}
+                   "objective": "--objective", "plan_cache": "--plan-cache"}
         given = [flag for name, flag in options.items()
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
@@ -197,7 +208,7 @@ def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | N
         planned = _apply_saved_plan(console, workload, load_path, hold_outputs=not drop_outputs)
     else:
         planned = _solve(console, workload, budget, solver, time_limit_s, hold_outputs=not drop_outputs,
-                         objective=objective)
+                         objective=objective, plan_cache=plan_cache)
     _emit_text(console, _render(planned, fmt, all_rows), output)
     if timeline is not None:
         console.note(f"wrote timeline picture {_write_timeline(planned, timeline)}")

@@ -23,7 +23,8 @@ from torch.func import functional_call
 from passes import keys
 from remat_compiler.errors import UntraceableModelError
 
-__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint"]
+__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint",
+           "without_data", "tensors_for_planning", "META_PLANS_FOR"]
 
 MODULE_KEY = keys.TRACE_MODULE
 MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
@@ -182,6 +183,60 @@ def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
     return step, [leaves[i] for i in positions]
 
 
+#: The device a model on the meta device is traced and planned for (see :func:`tensors_for_planning`).
+META_PLANS_FOR = torch.device("cpu")
+
+
+def without_data(t) -> bool:
+    """Whether ``t`` is a tensor with shape and dtype but no data: on the meta device, or fake."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
+
+
+def tensors_for_planning(tensors: list) -> list:
+    """The tensors a trace runs on: unchanged if all hold data; otherwise FakeTensors of one mode.
+
+    Planning needs shapes, dtypes and the graph, not values, so parameters, buffers and inputs may
+    be on the meta device or FakeTensors. A meta tensor has no device to plan for, and tracing on
+    meta gives a graph that differs from the real one where the model makes tensors itself
+    (``torch.tensor(..., device="meta")`` bypasses fake mode, so HuggingFace's ``DynamicCache``
+    concatenates a real meta tensor with a fake one and the trace fails). So each meta tensor
+    becomes a FakeTensor on :data:`META_PLANS_FOR` (the CPU, the default cost model's device) that
+    wraps it: views of one meta storage stay views of one fake storage, so the storage structure
+    (:mod:`passes.storage`) is the one real CPU tensors give, and the graph, its fingerprint, its
+    costs (:func:`passes.calibrate_scalar_storage` runs the CPU kernels on zeros, as for a CPU
+    model) and the plan are those of the same model with real CPU weights. Real tensors become
+    fakes of the same mode (one trace cannot mix modes), and FakeTensors the caller made are kept
+    with their own mode and device (a fake CUDA model plans for CUDA).
+
+    Raises
+    ------
+    ValueError
+        If the FakeTensors come from more than one FakeTensorMode.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    if not any(without_data(t) for t in tensors):
+        return tensors
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    if len(modes) > 1:
+        raise ValueError("the model's tensors and the inputs are FakeTensors of different FakeTensorModes: "
+                         "make them under one mode (or on the meta device)")
+    mode = next(iter(modes.values())) if modes else FakeTensorMode()
+    out = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
+            out.append(t)
+            continue
+        if t.device.type == "meta":
+            fake = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), META_PLANS_FOR)
+        else:
+            fake = mode.from_tensor(t.detach(), static_shapes=True)
+        out.append(fake.requires_grad_(t.requires_grad) if t.requires_grad else fake)
+    return out
+
+
 def signature_of(args: tuple, kwargs: dict | None = None) -> tuple:
     """A hashable key of a call: each tensor's shape, dtype, device and requires_grad; other leaves as is."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
@@ -337,9 +392,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, ho
     Parameters
     ----------
     model : torch.nn.Module
-        The model; its parameters and buffers become graph inputs.
+        The model; its parameters and buffers become graph inputs. They may be on the meta device
+        or FakeTensors (:func:`tensors_for_planning`: a meta model is traced as on the CPU).
     args, kwargs :
-        Example inputs. Only shapes, dtypes and ``requires_grad`` matter; nothing runs for real.
+        Example inputs. Only shapes, dtypes and ``requires_grad`` matter; nothing runs for real
+        (they may be on the meta device too).
     hold_outputs : bool
         Whether the caller keeps the outputs through backward (see :func:`remat_compiler.compile`);
         recorded in the graph's meta.
@@ -362,7 +419,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, ho
 
     fn = aot_step(step, capture)
     try:
-        run_traced(fn, model, step.state_tensors() + flat_inputs)
+        run_traced(fn, model, tensors_for_planning(step.state_tensors() + flat_inputs))
     except _JointCaptured as captured:
         return TracedStep(joint=captured.joint, num_fwd_outputs=captured.num_fwd_outputs, step=step)
     raise UntraceableModelError(
