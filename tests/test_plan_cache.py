@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import remat_compiler as rc
 from passes import CostModel
