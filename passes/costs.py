@@ -35,16 +35,59 @@ from passes.keys import (COMM_BYTES, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REAS
                          RUNTIME_S, STORAGE)
 from passes.rng import is_rng_state
 
-__all__ = ["CostModel", "annotate_costs", "is_training_batch_norm", "recompute_unread"]
+__all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread"]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, a 25 GB/s link)."""
+    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, a 25 GB/s link).
+
+    :meth:`preset` gives the rates of a named accelerator (:data:`DEVICE_PRESETS`).
+
+    Attributes
+    ----------
+    compute_flops_per_s, memory_bytes_per_s, link_bytes_per_s : float
+        Dense compute rate, memory bandwidth, and the bandwidth a collective gets.
+    memory_capacity_bytes : int or None
+        The device's memory, for reports (None: unknown).
+    name : str
+    """
 
     compute_flops_per_s: float = 1.0e11
     memory_bytes_per_s: float = 2.0e10
     link_bytes_per_s: float = 2.5e10
+    memory_capacity_bytes: int | None = None
+    name: str = "cpu"
+
+    @classmethod
+    def preset(cls, name: str) -> "CostModel":
+        """The rates of a named device: ``"h100"``, ``"h200"``, ``"a100"``, ``"mi300x"`` (dense
+        bf16 tensor-core FLOP/s, HBM bandwidth and capacity, from the vendors' data sheets).
+
+        Raises
+        ------
+        ValueError
+            For an unknown name, listing the known ones.
+        """
+        key = name.lower().replace("-", "").replace("_", "")
+        if key not in DEVICE_PRESETS:
+            raise ValueError(f"unknown device preset {name!r}; known: {', '.join(sorted(DEVICE_PRESETS))}")
+        return DEVICE_PRESETS[key]
+
+
+_G, _T = 1e9, 1e12
+#: Named accelerators. Dense (no 2:4 sparsity) bf16 tensor-core rates, memory bandwidth and capacity
+#: from the vendors' data sheets; the link rate is the GPU-to-GPU fabric one way (NVLink 4: 900 GB/s
+#: both ways on H100/H200, NVLink 3: 600 GB/s on A100; Infinity Fabric: 896 GB/s peak on MI300X).
+#: Sources: NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOPS bf16 dense, 3.35 TB/s, 80 GB);
+#: NVIDIA H200 data sheet (SXM: 989 TFLOPS, 4.8 TB/s, 141 GB); NVIDIA A100 data sheet (SXM 80 GB:
+#: 312 TFLOPS, 2.039 TB/s); AMD Instinct MI300X data sheet (1307.4 TFLOPS, 5.3 TB/s, 192 GB).
+DEVICE_PRESETS = {
+    "h100": CostModel(989 * _T, 3.35 * _T, 450 * _G, int(80 * _G), "h100"),
+    "h200": CostModel(989 * _T, 4.8 * _T, 450 * _G, int(141 * _G), "h200"),
+    "a100": CostModel(312 * _T, 2.039 * _T, 300 * _G, int(80 * _G), "a100"),
+    "mi300x": CostModel(1307.4 * _T, 5.3 * _T, 448 * _G, int(192 * _G), "mi300x"),
+}
 
 
 def _tensor_bytes(x) -> int:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import click
 
+from passes.costs import DEVICE_PRESETS, CostModel
+
 from remat_compiler.api import PlannedGraph, analyze, plan_model
 from remat_compiler.budget import human_bytes
 from remat_compiler.cli_params import (BUDGET, check_budget_list, check_solver, check_solver_list, factory_args,
@@ -76,13 +78,16 @@ drop_outputs_option = click.option(
 # ---------------------------------------------------------------------------- pipeline helpers
 def _solve(console: Console, workload: Workload, budget: str | None, solver: str,
            time_limit_s: float | None, *, hold_outputs: bool = True,
-           objective: str | None = None, plan_cache: str | None = None) -> PlannedGraph:
-    """The pipeline on the workload's step, with progress and step timings."""
+           objective: str | None = None, plan_cache: str | None = None,
+           device: str | None = None) -> PlannedGraph:
+    """The pipeline on the workload's step, with progress and step timings (``device``: a
+    :data:`passes.costs.DEVICE_PRESETS` name for the runtime estimate)."""
     with console.progress(solver) as progress:
         opts = get_solver(solver).options_in({"time_limit_s": time_limit_s, "progress": progress,
                                               "objective": objective})
         planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=solver,
-                             hold_outputs=hold_outputs, plan_cache=plan_cache, **opts)
+                             hold_outputs=hold_outputs, plan_cache=plan_cache,
+                             cost_model=CostModel.preset(device) if device else None, **opts)
     _report_steps(console, planned)
     if plan_cache is not None:
         console.note(f"plan {'read from' if planned.source == 'cache' else 'solved and written to'} "
@@ -183,13 +188,16 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
 @click.option("--plan-cache", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Reuse a plan from this folder for the same graph, budget, cost model and options "
                    "(a corrupt or mismatched file is re-planned); write new plans there.")
+@click.option("--device", type=click.Choice(sorted(DEVICE_PRESETS)), default=None,
+              help="Estimate runtimes for this accelerator (vendor bf16 rate and bandwidth) instead of "
+                   "this machine's CPU: it changes what recomputing costs, hence the plan.")
 @drop_outputs_option
 @time_limit_option
 @click.pass_context
 def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | None, solver: str,
          fmt: str, output: str | None, timeline: str | None, load_path: str | None, all_rows: bool,
-         objective: str | None, plan_cache: str | None, drop_outputs: bool, time_limit_s: float | None
-         ) -> None:
+         objective: str | None, plan_cache: str | None, device: str | None, drop_outputs: bool,
+         time_limit_s: float | None) -> None:
     """Trace MODULE:FACTORY's training step, plan it under --budget and print the plan.
 
     The factory may build the model on the meta device (``with torch.device("meta"):``): planning
@@ -197,7 +205,7 @@ def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | N
     console: Console = ctx.obj
     if load_path is not None:
         options = {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
-                   "objective": "--objective", "plan_cache": "--plan-cache"}
+                   "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device"}
         given = [flag for name, flag in options.items()
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
@@ -208,7 +216,7 @@ def plan(ctx: click.Context, factory: str, factory_kwargs: dict, budget: str | N
         planned = _apply_saved_plan(console, workload, load_path, hold_outputs=not drop_outputs)
     else:
         planned = _solve(console, workload, budget, solver, time_limit_s, hold_outputs=not drop_outputs,
-                         objective=objective, plan_cache=plan_cache)
+                         objective=objective, plan_cache=plan_cache, device=device)
     _emit_text(console, _render(planned, fmt, all_rows), output)
     if timeline is not None:
         console.note(f"wrote timeline picture {_write_timeline(planned, timeline)}")

@@ -360,3 +360,14 @@ def test_demo_prints_the_plan_and_writes_the_timeline(runs):
     m = re.search(r"timeline picture written to (.+)$", res.stdout.strip())
     assert m and Path(m.group(1)) == runs.dir / "demo.png"
     assert_png(runs.dir / "demo.png")
+
+
+def test_device_preset_sets_the_runtime_estimate(capsys):
+    """--device plans with an accelerator's rates: the plan's estimated recompute time is the H100's,
+    far below this CPU's for the same saved set; an unknown name is a usage error."""
+    assert main(["-q", "plan", *SMALL, "--budget", "0.7", "--device", "h100", "--format", "json"]) == EXIT_OK
+    on_h100 = Plan.from_json(capsys.readouterr().out)
+    assert main(["-q", "plan", *SMALL, "--budget", "0.7", "--format", "json"]) == EXIT_OK
+    on_cpu = Plan.from_json(capsys.readouterr().out)
+    assert on_h100.baseline_s < on_cpu.baseline_s / 10
+    assert main(["-q", "plan", *SMALL, "--device", "tpu"]) == EXIT_USAGE

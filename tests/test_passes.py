@@ -28,3 +28,29 @@ def test_run_passes_dumps_every_pass_and_writes_only_documented_keys(tmp_path):
     written |= {k for n in gm.graph.nodes for k in (n.meta.get("custom") or {}) if k.startswith(keys.PREFIX)}
     assert written <= documented, written - documented
     assert {n.meta[keys.BLOCK] for n in gm.graph.nodes} >= {"layers.0", "layers.1", "layers.2"}
+
+
+def test_device_presets_give_each_accelerators_roofline():
+    """Named presets carry the vendors' dense bf16 rate, bandwidth and capacity; the runtime estimate
+    of a pointwise op follows the memory bandwidth."""
+    import pytest
+    import torch.nn as nn
+
+    import remat_compiler as rc
+    from passes.costs import DEVICE_PRESETS, CostModel
+
+    h100 = CostModel.preset("H100")
+    assert (h100.compute_flops_per_s, h100.memory_bytes_per_s, h100.memory_capacity_bytes) == \
+        (989e12, 3.35e12, 80 * 10 ** 9)
+    assert CostModel.preset("mi300x").memory_capacity_bytes == 192 * 10 ** 9
+    assert set(DEVICE_PRESETS) == {"h100", "h200", "a100", "mi300x"}
+    with pytest.raises(ValueError, match="known: a100, h100, h200, mi300x"):
+        CostModel.preset("tpu")
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh()), torch.randn(128, 256)
+    runtimes = {}
+    for name in ("h100", "a100"):
+        _, cg = rc.analyze(model, (x,), cost_model=CostModel.preset(name))
+        runtimes[name] = {cg.attr(n, "op"): cg.attr(n, "runtime_s") for n in cg.fw_order}
+    assert runtimes["a100"]["aten.tanh.default"] == pytest.approx(
+        runtimes["h100"]["aten.tanh.default"] * 3.35 / 2.039, rel=1e-9)
