@@ -43,7 +43,7 @@ def _build(case: str):
         return model, (x,), {}, lambda out: out.float().square().mean() if out.dim() else out
     from examples.gpt2 import build
 
-    model, inputs, _ = build(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, batch=2, seq=128, dropout=0.0)
+    model, inputs, _ = build(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, batch=2, seq=128)
     return model, (), inputs, lambda out: out.loss
 
 

@@ -5,7 +5,7 @@ tracing captured: by :func:`compile` inside AOTAutograd's partitioner (once per 
 and by :func:`plan_model` / the CLI after :func:`remat_compiler.trace.trace`::
 
     gm, cg = annotate(joint, num_fwd_outputs, cost_model)   # passes; networkx graph with bytes / FLOPs / runtime
-    plan = decide(cg, spec)                                 # CP-SAT, a hand-picked strategy, or a given plan
+    plan, _ = decide(cg, spec)                              # CP-SAT, a hand-picked strategy, a given or cached plan
     sim = check_plan(cg, plan)                              # the plan's claims against its graph
     fw, bw = emit(gm, plan)                                 # forward / backward GraphModules
     check_emitted(fw, bw, plan, cg)                         # the emitted code's own peak, walked
@@ -31,7 +31,7 @@ from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
-from remat_compiler.plan_cache import PlanCache, cache_key, key_fields
+from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
@@ -132,7 +132,7 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
     with _timed(spent, "annotate"):
         gm, cg = annotate(joint, num_fwd_outputs, spec.cost_model)
     with _timed(spent, "solve"):
-        plan, source = decide_with_source(cg, spec, memo=memo)
+        plan, source = decide(cg, spec, memo=memo)
     with _timed(spent, "check"):
         sim = check_plan(cg, plan)
     with _timed(spent, "emit"):
@@ -149,17 +149,11 @@ def annotate(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel 
     return gm, CostGraph.from_graph_module(gm)
 
 
-def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> Plan:
-    """The plan for ``cg``: the given one (if it is for this graph and fits the budget), a cached
-    one (``spec.plan_cache``, verified), else the strategy's, made on rank 0 alone under
-    torch.distributed."""
-    return decide_with_source(cg, spec, memo=memo)[0]
-
-
-def decide_with_source(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None
-                       ) -> tuple[Plan, str]:
-    """:func:`decide`, and where the plan came from: ``"given"``, ``"cache"``, ``"solved"``, or
-    ``"rank 0"`` on the other ranks under torch.distributed."""
+def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> tuple[Plan, str]:
+    """The plan for ``cg`` and where it came from: the given one (``"given"``, if it is for this
+    graph and fits the budget), a cached one (``"cache"``: ``spec.plan_cache``, verified), else the
+    strategy's (``"solved"``), made on rank 0 alone under torch.distributed (``"rank 0"`` on the
+    other ranks)."""
     if spec.plan is not None:
         spec.plan.check_applies_to(cg)
         budget_bytes = resolve_budget(cg, spec.budget)
@@ -180,8 +174,8 @@ def decide_with_source(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None 
         budget_bytes = resolve_budget(cg, spec.budget)
         if spec.plan_cache is None:
             return spec.strategy.solve(cg, budget_bytes, **options)
-        key_args = (cg, budget_bytes, spec.cost_model or CostModel(), spec.strategy, options)
-        key, fields = cache_key(*key_args), key_fields(*key_args)
+        fields = key_fields(cg, budget_bytes, spec.cost_model or CostModel(), spec.strategy, options)
+        key = key_of(fields)
         plan = spec.plan_cache.load(key, cg, budget_bytes)
         if plan is not None:
             source[0] = "cache"

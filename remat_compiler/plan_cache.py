@@ -39,7 +39,7 @@ from remat_compiler.files import atomic_write_text
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION, Plan
 
-__all__ = ["PlanCache", "PlanCacheWarning", "cache_key", "key_fields", "CACHE_SCHEMA_VERSION", "UNKEYED_OPTIONS"]
+__all__ = ["PlanCache", "PlanCacheWarning", "cache_key", "key_fields", "key_of", "CACHE_SCHEMA_VERSION", "UNKEYED_OPTIONS"]
 
 #: The version of the cache file's wrapper (the plan inside has its own).
 CACHE_SCHEMA_VERSION = 1
@@ -102,7 +102,11 @@ def cache_key(cg: CostGraph, budget_bytes: int | None, cost_model, strategy, opt
     str
         32 hex digits.
     """
-    fields = key_fields(cg, budget_bytes, cost_model, strategy, options)
+    return key_of(key_fields(cg, budget_bytes, cost_model, strategy, options))
+
+
+def key_of(fields: Mapping) -> str:
+    """The cache key of :func:`key_fields`' fields: 32 hex digits of their hash."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 

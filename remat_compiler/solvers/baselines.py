@@ -11,11 +11,11 @@ from remat_compiler.schedule import save_all_set
 __all__ = ["solve_save_all", "solve_checkpoint_blocks", "fixed_plan"]
 
 
-def fixed_plan(cg: CostGraph, saved, budget_bytes: int | None, name: str, t0: float) -> Plan:
-    """A plan whose saved set is fixed by a rule; raises StrategyOverBudgetError if it does not fit
-    the budget."""
+def fixed_plan(cg: CostGraph, saved, budget_bytes: int | None, name: str, t0: float, rerun=()) -> Plan:
+    """A plan whose saved set (and reruns) are fixed by a rule; raises StrategyOverBudgetError if it
+    does not fit the budget."""
     plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver=name, status="optimal",
-                     solve_time_s=time.perf_counter() - t0)
+                     solve_time_s=time.perf_counter() - t0, rerun=rerun)
     if budget_bytes is not None and plan.peak_bytes > budget_bytes:
         raise StrategyOverBudgetError(name, budget_bytes, plan.peak_bytes)
     return plan

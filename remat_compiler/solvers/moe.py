@@ -32,11 +32,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-
-from remat_compiler.errors import StrategyNotApplicableError, StrategyOverBudgetError
+from remat_compiler.errors import StrategyNotApplicableError
 from remat_compiler.graph import CostGraph
-from remat_compiler.plan import Plan, make_plan
-from remat_compiler.schedule import rerunnable, save_all_set
+from remat_compiler.plan import Plan
+from remat_compiler.schedule import peak_of, rerunnable, save_all_set
 from remat_compiler.solvers.baselines import fixed_plan
 from remat_compiler.solvers.cpsat import solve_cpsat
 
@@ -200,14 +199,10 @@ def solve_moe_custom(cg: CostGraph, budget_bytes: int | None) -> Plan:
     t0 = time.perf_counter()
     _require_fused(cg, "moe_custom")
     saved = fast_saved_set(cg, name="moe_custom")
-    plain = make_plan(cg, saved, budget_bytes=budget_bytes, solver="moe_custom")
     rerun = act_reruns(cg)
-    plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="moe_custom", rerun=rerun) if rerun else plain
-    plan = plan if plan.peak_bytes < plain.peak_bytes else plain
-    plan.solve_time_s = time.perf_counter() - t0
-    if budget_bytes is not None and plan.peak_bytes > budget_bytes:
-        raise StrategyOverBudgetError("moe_custom", budget_bytes, plan.peak_bytes)
-    return plan
+    if rerun and peak_of(cg, saved, rerun) >= peak_of(cg, saved):
+        rerun = []  # the reruns are kept only where they lower the peak
+    return fixed_plan(cg, saved, budget_bytes, "moe_custom", t0, rerun=rerun)
 
 
 def act_reruns(cg: CostGraph) -> list[tuple[str, int]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from remat_compiler.graph import CostGraph
-from remat_compiler.schedule import peak_of
 
 __all__ = ["SolveMemo"]
 
@@ -38,9 +37,8 @@ class SolveMemo:
     reruns: dict[str, list[tuple[frozenset, tuple, int]]] = field(default_factory=dict)
     menus: dict[tuple, object] = field(default_factory=dict)
 
-    def remember(self, cg: CostGraph, saved, peak: int | None = None) -> None:
-        """Keep a plan that recomputes each value once (``peak``: its simulated peak, if known)."""
-        peak = peak_of(cg, saved) if peak is None else peak
+    def remember(self, cg: CostGraph, saved, peak: int) -> None:
+        """Keep a plan that recomputes each value once, with its simulated peak."""
         found = self.plans.setdefault(cg.fingerprint, [])
         found.append((frozenset(saved), peak))
         del found[:-self.per_graph]
