@@ -1,7 +1,7 @@
 """RESULTS.md and the Pareto pictures, from the per-workload result documents of :mod:`benchmarks.bench`.
 
 Everything here reads finished results; text files are written atomically with
-:func:`remat_compiler.files.atomic_write_text` (re-exported here), pictures with
+:func:`passes.files.atomic_write_text` (re-exported here), pictures with
 :func:`remat_compiler.viz.save_figure`.
 
 >>> text = render_results([result_gpt2, result_mixtral])        # doctest: +SKIP
@@ -16,7 +16,7 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from remat_compiler.files import atomic_write_text
+from passes.files import atomic_write_text
 from remat_compiler.tables import note_cell
 from remat_compiler.viz import save_figure
 

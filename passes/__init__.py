@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
+from passes.files import atomic_write_text
 from passes.keys import PREFIX
 from passes.loss import fuse_cross_entropy_backward
 from passes.moe import tag_moe_segments
@@ -112,7 +113,7 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
     for i, p in enumerate(PASSES):
         gm = p.run(gm, **{k: options[k] for k in p.options})
         if dump_dir is not None:
-            _write_dump(os.path.join(dump_dir, f"{i:02d}_{p.name}.txt"), _describe(gm))
+            atomic_write_text(os.path.join(dump_dir, f"{i:02d}_{p.name}.txt"), _describe(gm))
     return gm
 
 
@@ -127,12 +128,3 @@ def _describe(gm: fx.GraphModule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_dump(path: str, text: str) -> None:
-    """Write a dump file atomically (``os.replace``), so a reader never sees half of one.
-
-    (:mod:`remat_compiler.files` has the full writer, but passes sit below remat_compiler and
-    must not import it.)"""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -37,7 +37,7 @@ from remat_compiler.cli_params import (BUDGET, check_budget_list, check_solver, 
 from remat_compiler.console import PROG, Console, format_progress, timed
 from remat_compiler.compare import common_budget_bytes, eager_reference, format_compare_table, run_strategy
 from remat_compiler.errors import InfeasibleBudgetError, PlanCheckError, PlanMismatchError, RematError
-from remat_compiler.files import atomic_write_text
+from passes.files import atomic_write_text
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import get_solver, solve
 from remat_compiler.sweep import format_pareto_table, strategy_points, sweep_budgets

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from remat_compiler.budget import human_bytes
 from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanMismatchError
-from remat_compiler.files import atomic_write_text
+from passes.files import atomic_write_text
 from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simulate
 
 __all__ = ["Plan", "ValueInfo", "make_plan", "SCHEMA_VERSION"]

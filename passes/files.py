@@ -1,5 +1,8 @@
 """Atomic file writes: readers see the old file or the whole new one, never half of it.
 
+Here, at the bottom of the tree, so that the passes' dumps and remat_compiler's plans, caches and
+pictures share one writer.
+
 Each writer makes a temporary file in the destination folder, fills and fsyncs it, gives it the
 permissions an ordinary ``open`` would (``mkstemp`` makes 0600), then renames it over the target.
 
