@@ -1,7 +1,7 @@
 """Run strategies for real and measure them: peak live storage, FLOPs, step time, gradient error.
 
-Each strategy is planned (:func:`remat_compiler.plan_model`) and then trained through
-:func:`remat_compiler.compile` with that plan: one warm-up step (tracing and compiling), one step
+Each strategy is trained through :func:`remat_compiler.compile`: its first step traces, plans and
+compiles (an infeasible budget or a strategy that does not apply becomes a row there), then one step
 under :class:`~remat_compiler.memory.LiveStorageTracker`, one under ``FlopCounterMode``, and
 ``steps`` timed steps. Parameter and input gradients are reset to None before every step, so the
 step creates them as in ordinary training, and are compared with an eager step of the same model.
@@ -21,7 +21,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat_compiler.api import compile as compile_model
-from remat_compiler.api import analyze, plan_model
+from remat_compiler.api import analyze
 from remat_compiler.budget import human_bytes, parse_budget
 from remat_compiler.errors import InfeasibleBudgetError, StrategyNotApplicableError
 from remat_compiler.memory import LiveStorageTracker
@@ -86,8 +86,10 @@ def _step(workload: Workload, module: Callable) -> None:
     loss.backward()
 
 
-def _measure(run: StrategyRun, workload: Workload, module: Callable, steps: int) -> StrategyRun:
-    _step(workload, module)  # warm-up: traces and compiles once
+def _measure(run: StrategyRun, workload: Workload, module: Callable, steps: int, *,
+             warm_up: bool = True) -> StrategyRun:
+    if warm_up:
+        _step(workload, module)  # traces and compiles once
     _reset_grads(workload)
     with LiveStorageTracker() as mem:
         _step(workload, module)
@@ -207,17 +209,15 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
         rejected plan is a bug and is not turned into a row).
     """
     opts = get_solver(strategy).options_in({"time_limit_s": time_limit_s, "progress": progress})
+    compiled = compile_model(workload.model, budget, solver=strategy, hold_outputs=hold_outputs, **opts)
     try:
-        planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=strategy,
-                             hold_outputs=hold_outputs, **opts)
+        _step(workload, compiled)  # the first step traces, plans and compiles, once
     except InfeasibleBudgetError as exc:
         return StrategyRun(strategy, "infeasible", f"needs >= {human_bytes(exc.min_feasible_bytes)} "
                                                    f"({exc.min_feasible_bytes} bytes)")
     except StrategyNotApplicableError as exc:
         return StrategyRun(strategy, "n/a", str(exc))
-    compiled = compile_model(workload.model, budget, solver=strategy, plan=planned.plan,
-                             hold_outputs=hold_outputs)
-    run = _measure(StrategyRun(strategy, plan=planned.plan), workload, compiled, steps)
+    run = _measure(StrategyRun(strategy, plan=compiled.plan), workload, compiled, steps, warm_up=False)
     run.max_grad_error = max_abs_error(run.grads, reference.grads)
     run.grads = []
     return run
