@@ -13,6 +13,7 @@ and by :func:`plan_model` / the CLI after :func:`remat_compiler.trace.trace`::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -27,6 +28,7 @@ import torch.fx as fx
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.check import check_emitted, check_plan
+from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
@@ -117,6 +119,9 @@ class PlannedGraph:
     bw: fx.GraphModule | None = None
     timings: dict[str, float] = field(default_factory=dict)
     source: str = "solved"  # "solved", "given" (plan=), "cache" (plan_cache=) or "rank 0"
+    backend: str = "eager"  # what runs fw and bw: "eager" (op by op) or "inductor"
+    compiled: EmittedPeak | None = None  # Inductor's code walked (remat_compiler.inductor.compiled_peak)
+    inductor: tuple = ()  # the forward and backward Inductor compiled (remat_compiler.inductor.InductorGraph)
 
 
 def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
@@ -251,6 +256,23 @@ class _Entry:
     gate: bool = True                 # whether calls need the gate (decided once the graph is known)
 
 
+#: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
+#: peaks above the budget, before it runs the eager backend's plan instead.
+INDUCTOR_REPLANS = 3
+
+BACKENDS = ("eager", "inductor")
+
+
+def _inductor_facts(planned: PlannedGraph, budget: Budget):
+    """What :class:`remat_compiler.inductor.InductorCompilers` reads of the plan just made, and the
+    budget it must keep, in bytes."""
+    from remat_compiler.inductor import StepFacts
+
+    cg = planned.cg
+    return StepFacts(planned.bw, len(cg.fw_outputs), tuple(cg.g.graph.get("input_updates", ())),
+                     cg.hold_outputs, planned.plan.peak_bytes, resolve_budget(cg, budget))
+
+
 # One trace at a time in this process: a trace swaps the model's parameters for the trace's tensors
 # (functional_call) and sets torch.compiler's process-wide "compiling" flag; two at once corrupt both.
 _TRACE_LOCK = threading.RLock()
@@ -265,11 +287,13 @@ class CompiledModule(torch.nn.Module):
     ``plan`` is the plan of the last call. In ``eval()`` or without grad, the model runs as is.
     """
 
-    def __init__(self, model: torch.nn.Module, spec: PlanSpec, hold_outputs: bool = True):
+    def __init__(self, model: torch.nn.Module, spec: PlanSpec, hold_outputs: bool = True,
+                 backend: str = "eager"):
         super().__init__()
         self._orig_mod = model
         self._spec = spec
         self._hold_outputs = hold_outputs
+        self._backend = backend
         self._memo = SolveMemo()  # plans met on this module's graphs, for its later solves
         self._entries: dict[tuple, _Entry] = {}
         self._failures: dict[tuple, InfeasibleBudgetError] = {}
@@ -310,10 +334,9 @@ class CompiledModule(torch.nn.Module):
     def __setstate__(self, state):
         self.__dict__.update(state)
 
-    def _partition(self, entry: _Entry):
+    def _partition(self, entry: _Entry, spec: PlanSpec):
         def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
-            planned = plan_joint(annotate_joint(joint, entry.step), num_fwd_outputs, self._spec,
-                                 memo=self._memo)
+            planned = plan_joint(annotate_joint(joint, entry.step), num_fwd_outputs, spec, memo=self._memo)
             entry.planned = planned
             entry.grad_deps = grad_deps(planned.cg)
             return planned.fw, planned.bw
@@ -346,22 +369,18 @@ class CompiledModule(torch.nn.Module):
                 "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
                 "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
         entry = _Entry(step=step, fn=None)
-        entry.fn = aot_step(step, self._partition(entry))
         record = GradRecord(entry)
         inputs, positions = self._gated(record, step.state_tensors() + flat)
         try:
             try:
-                with self._spec.strategy.prepared(self._orig_mod):
-                    out = run_traced(entry.fn, self._orig_mod, inputs)
+                out = self._trace_and_run(entry, inputs)
             except RuntimeError as exc:
                 # backward through an extra output reads a value the forward then mutated in place:
                 # eager only fails if the caller backpropagates through it, so plan the loss alone
                 if not is_inplace_after_save(exc) or step.loss_only_reason is not None:
                     raise
                 step.loss_only_reason = INPLACE_AFTER_SAVE
-                entry.fn = aot_step(step, self._partition(entry))
-                with self._spec.strategy.prepared(self._orig_mod):
-                    out = run_traced(entry.fn, self._orig_mod, inputs)
+                out = self._trace_and_run(entry, inputs)
         except InfeasibleBudgetError as exc:
             self._failures[key] = exc
             raise
@@ -380,6 +399,55 @@ class CompiledModule(torch.nn.Module):
             if not mapped:
                 entry.grad_deps = None  # the gate passes every gradient through
         return self._finish(entry, self._watch(record, out))
+
+    def _trace_and_run(self, entry: _Entry, inputs: list[torch.Tensor]):
+        """Trace, plan and compile the step on its first call, and run its forward."""
+        if self._backend == "eager":
+            entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
+            with self._spec.strategy.prepared(self._orig_mod):
+                return run_traced(entry.fn, self._orig_mod, inputs)
+        return self._trace_and_run_inductor(entry, inputs)
+
+    def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):
+        """The Inductor backend's first call: plan, compile, and re-plan under a lower budget while
+        Inductor's code peaks above the budget (:mod:`remat_compiler.inductor`); after
+        :data:`INDUCTOR_REPLANS` tries, or when its code cannot be read, run the eager backend's
+        plan instead, with a warning."""
+        from remat_compiler.inductor import (DECOMPOSITIONS, CompiledOverBudget, InductorCompilers,
+                                             UnreadableCodeError)
+
+        spec, why = self._spec, None
+        for _ in range(INDUCTOR_REPLANS + 1):
+            compilers = InductorCompilers(lambda: _inductor_facts(entry.planned, self._spec.budget))
+            entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,
+                                bw_compiler=compilers.backward, decompositions=DECOMPOSITIONS)
+            try:
+                with self._spec.strategy.prepared(self._orig_mod):
+                    out = run_traced(entry.fn, self._orig_mod, inputs)
+            except CompiledOverBudget as over:
+                why = str(over)
+                lower = min(over.limit_bytes, over.plan_peak_bytes) - (over.peak.peak_bytes - over.limit_bytes)
+                if lower <= 0:
+                    break
+                spec = dataclasses.replace(spec, budget=parse_budget(int(lower)), plan=None, plan_cache=None)
+                continue
+            except UnreadableCodeError as exc:
+                why = f"its generated code could not be read ({exc})"
+                break
+            except InfeasibleBudgetError as exc:
+                if spec is self._spec:
+                    raise
+                why = f"a plan under the lower budget it needs does not exist ({exc})"
+                break
+            entry.planned.backend = "inductor"
+            entry.planned.compiled = compilers.peak
+            entry.planned.inductor = (compilers.fw, compilers.bw)
+            return out
+        warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
+                      f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
+        entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
+        with self._spec.strategy.prepared(self._orig_mod):
+            return run_traced(entry.fn, self._orig_mod, inputs)
 
     def _gated(self, record: GradRecord, inputs: list[torch.Tensor]):
         positions = tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad)
@@ -436,16 +504,15 @@ def _check_wrapper(model: torch.nn.Module) -> None:
             "Compile first, then wrap: DDP(remat_compiler.compile(model, ...))")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(
-            "compile(torch.compile(model)) is not supported: remat_compiler traces the model itself "
-            "and runs its plan op by op. Pass the model (remat_compiler.compile(model, ...)); "
-            "torch.compile around the compiled module runs the plan unchanged. Running plans with "
-            "Inductor is the compiled-speed work, not yet available")
+            "compile(torch.compile(model)) is not supported: remat_compiler traces the model itself. "
+            "Pass the model (remat_compiler.compile(model, memory_budget, backend='inductor') has "
+            "Inductor compile the planned forward and backward)")
 
 
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",
             cost_model: CostModel | None = None, plan: Plan | str | None = None, hold_outputs: bool = True,
             policy: Policy | None = None, plan_cache: PlanCache | str | os.PathLike | None = None,
-            **solver_options) -> CompiledModule:
+            backend: str = "eager", **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
     Parameters
@@ -482,6 +549,14 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         from it alone: the other outputs come back without a gradient path (a backward through
         them raises), so no zero gradient the size of the logits is made for them. If a caller
         that said False holds them anyway, the step peaks above the plan by up to their size.
+    backend : str
+        What runs the planned forward and backward. ``"eager"`` (default): op by op, as emitted;
+        the plan's peak is exact. ``"inductor"``: compiled by Inductor (fused kernels; faster, the
+        first call compiles for tens of seconds, a C++ compiler is needed on CPU). The plan is made
+        on the graph Inductor's decompositions give, its saved values are exactly the compiled
+        forward's outputs, and the peak of the code Inductor wrote is walked before it runs
+        (``m.planned.compiled``): above the budget, the step is re-planned lower, and after
+        ``INDUCTOR_REPLANS`` tries it runs the eager plan with a warning.
     **solver_options :
         The solver's options (CP-SAT: ``time_limit_s`` for the whole solve, ``num_workers``,
         ``deterministic``, ``objective``...; a hand-picked strategy takes none).
@@ -508,5 +583,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
                          plan_cache=plan_cache)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: 'eager' runs the plan op by op "
+                         f"(the default), 'inductor' compiles its forward and backward with Inductor")
     _check_wrapper(model)
-    return CompiledModule(model, spec, hold_outputs)
+    return CompiledModule(model, spec, hold_outputs, backend)

@@ -198,7 +198,7 @@ class _Walk:
         raise PlanCheckError(f"the emitted {tag} has no output node")
 
 
-def _held_positions(fw: fx.GraphModule, num_fwd_outputs: int, input_updates,
+def held_positions(fw: fx.GraphModule, num_fwd_outputs: int, input_updates,
                     hold_outputs: bool) -> list[int]:
     """Positions of the user's outputs the caller keeps through backward: all but updated inputs,
     or only scalar ones unless ``hold_outputs``."""
@@ -245,7 +245,7 @@ def emitted_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int
     walk.resident.update(_key(p.meta["val"]) for p in fw_inputs if isinstance(p.meta.get("val"), torch.Tensor))
     fw_outs = walk.run(fw, "forward", {p.name: [(_key(p.meta["val"]), None)]
                                        if isinstance(p.meta.get("val"), torch.Tensor) else [] for p in fw_inputs})
-    for i in _held_positions(fw, num_fwd_outputs, input_updates, hold_outputs):
+    for i in held_positions(fw, num_fwd_outputs, input_updates, hold_outputs):
         walk.mem.acquire(fw_outs[i])  # held by the caller to the end
     saved = fw_outs[num_fwd_outputs:]
     for slots in fw_outs[:num_fwd_outputs]:

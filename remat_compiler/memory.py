@@ -70,6 +70,18 @@ class LiveStorageTracker(TorchDispatchMode):
         if nbytes is not None:
             self.current_bytes -= nbytes
 
+    def adopt(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage from now until it is freed: for memory allocated outside the
+        dispatcher (Inductor's generated code calls ``empty_strided`` directly)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live:
+            return
+        self._live[key] = st.nbytes()
+        self.current_bytes += st.nbytes()
+        weakref.finalize(st, self._free, key)
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = set()

@@ -309,9 +309,14 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     return boxed_nop(gm, example_inputs)
 
 
-def aot_step(step: StepFunction, partition_fn: Callable) -> Callable:
-    """Wrap ``step`` in AOTAutograd with our partitioner; the result runs forward and backward."""
-    return aot_function(step, fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition_fn)
+def aot_step(step: StepFunction, partition_fn: Callable, *, fw_compiler: Callable = _boxed,
+             bw_compiler: Callable = _boxed, decompositions: dict | None = None) -> Callable:
+    """Wrap ``step`` in AOTAutograd with our partitioner; the result runs forward and backward.
+
+    By default the partitioned graphs run as they are (op by op); the Inductor backend passes its
+    compilers and decompositions (:mod:`remat_compiler.inductor`)."""
+    return aot_function(step, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
+                        decompositions=decompositions)
 
 
 def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):

@@ -1,0 +1,453 @@
+"""The Inductor backend: a plan's forward and backward compiled by Inductor, and the peak of the code it wrote.
+
+``compile(model, budget, backend="inductor")`` plans like the eager backend, on the joint graph traced
+with Inductor's decompositions (:data:`DECOMPOSITIONS`), and hands the emitted forward and backward to
+Inductor's inner compiler (``compile_fx_inner``) instead of running them op by op. The plan's decisions
+hold exactly in what runs: the forward's outputs are the values the plan saves (a compiler cannot drop
+a graph output), and the backward computes again what the plan recomputes. What Inductor changes is how:
+it fuses pointwise chains (their intermediates never exist), reorders kernels and reuses buffers.
+
+So the planner's prediction, a simulation of the unfused graph, is checked against the code Inductor
+wrote. :func:`compiled_peak` walks the two generated wrappers' ``call`` functions line by line under the
+step's accounting conventions (those of :func:`remat_compiler.emitted.emitted_peak`): each
+``empty_strided`` allocation, each fallback kernel's outputs (their bytes from the IR buffers Inductor
+lowered, recorded by :func:`compile_graph`), each ``del``, each buffer handed on for reuse, what each
+``return`` hands back. That walk is the Inductor path's predicted peak; :mod:`remat_compiler.api`
+re-plans (or falls back to the eager backend, warning) when it exceeds the budget.
+
+:func:`watch` measures the same thing at run time without reading the code: it registers every buffer
+the wrappers allocate with a :class:`remat_compiler.memory.LiveStorageTracker` (which sees the fallback
+kernels' outputs through the dispatcher), so a test can compare prediction and measurement to the byte.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from passes.storage import strided_span_bytes
+from remat_compiler.emitted import EmittedPeak, held_positions
+
+__all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", "CompiledOverBudget", "UnreadableCodeError",
+           "compile_graph", "compiled_peak", "watch"]
+
+
+def _decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    # native_dropout stays whole: passes.rng rewrites it as a replayable remat::dropout_at, which
+    # Inductor runs as a fallback kernel drawing eager's numbers
+    return {op: fn for op, fn in select_decomp_table().items()
+            if not str(op).startswith("aten.native_dropout.")}
+
+
+#: Inductor's decomposition table, less ``aten.native_dropout`` (see :mod:`passes.rng`).
+DECOMPOSITIONS = _decompositions()
+
+
+class UnreadableCodeError(RuntimeError):
+    """The walk met a line of Inductor's generated wrapper it does not understand."""
+
+
+class CompiledOverBudget(RuntimeError):
+    """Inductor's code for a plan peaks above the budget (raised before any of it runs)."""
+
+    def __init__(self, peak: EmittedPeak, limit_bytes: int, plan_peak_bytes: int):
+        node, live = peak.first_above(limit_bytes)
+        super().__init__(f"Inductor's code for the plan peaks at {peak.peak_bytes} bytes ({peak.peak_node}), "
+                         f"above the budget of {limit_bytes} bytes (first at {node}, {live} bytes live); "
+                         f"the plan's own prediction was {plan_peak_bytes} bytes")
+        self.peak = peak
+        self.limit_bytes = limit_bytes
+        self.plan_peak_bytes = plan_peak_bytes
+
+
+@dataclass
+class InductorGraph:
+    """One graph compiled by Inductor.
+
+    Attributes
+    ----------
+    fn : callable
+        What Inductor returned (boxed: called with a list of inputs it clears).
+    source : str
+        The generated wrapper module's source.
+    buffer_bytes : dict[str, int]
+        Storage bytes of each buffer Inductor lowered, by its name in ``source`` (0 for a
+        multi-output kernel's tuple).
+    """
+
+    fn: Callable
+    source: str
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def _boxed_call(self) -> bool:
+        return getattr(self.fn, "_boxed_call", False)
+
+
+@contextlib.contextmanager
+def _recording_buffers(into: dict[str, int]) -> Iterator[None]:
+    """Record the storage bytes of every buffer each graph lowered in the block writes code for."""
+    from torch._inductor import ir
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for name, buf in self.name_to_buffer.items():
+            layout = buf.get_output_spec()
+            if isinstance(layout, ir.Layout):
+                into[name] = int(layout.storage_size()) * layout.dtype.itemsize
+            else:
+                into[name] = 0
+        return result
+
+    GraphLowering.codegen = codegen
+    try:
+        yield
+    finally:
+        GraphLowering.codegen = original
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: bool) -> InductorGraph:
+    """Compile one of a plan's graphs with Inductor (``compile_fx_inner``), recording its buffers.
+
+    Inductor's FX graph cache is off for the call: a cache hit would skip the lowering whose buffers
+    the walk needs.
+    """
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    buffers: dict[str, int] = {}
+    with _recording_buffers(buffers), config.patch(fx_graph_cache=False):
+        if backward:
+            fn = compile_fx_inner(gm, example_inputs, is_backward=True)
+        else:
+            fn = compile_fx_inner(gm, example_inputs, is_inference=False)
+    source = getattr(fn, "source_code", None)
+    if not isinstance(source, str):
+        raise UnreadableCodeError(f"Inductor returned {type(fn).__name__} without its generated source")
+    return InductorGraph(fn, source, buffers)
+
+
+# ----------------------------------------------------------------------------------------------
+# The walk over the generated wrapper
+
+_NAME = r"[A-Za-z_]\w*"
+_ASSIGN = re.compile(rf"^({_NAME}) = (.+)$")
+_EMPTY = re.compile(r"^empty_strided\w*\(\(([^)]*)\), \(([^)]*)\),.*?(torch\.\w+)")
+_ALIAS = re.compile(rf"^(?:reinterpret_tensor\()?({_NAME})(?:,.*\))?$")
+_ITEM = re.compile(rf"^({_NAME})\[(\d+)\]$")
+_UNPACK = re.compile(rf"^((?:{_NAME}, )*{_NAME},?) = args$")
+
+
+def _call_body(source: str) -> list[str]:
+    """The statements of the wrapper's ``call``, one per item (``a; del b`` split), comments dropped."""
+    lines = source.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"^\s*def call\((self, )?args\):", line)), None)
+    if start is None:
+        raise UnreadableCodeError("the generated wrapper has no call(args) function")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        code = line.split("  #", 1)[0].strip()
+        if not code or code.startswith("#"):
+            continue
+        body.extend(s.strip() for s in code.split("; ") if s.strip())
+    return body
+
+
+def _split_top(text: str) -> list[str]:
+    """Split ``text`` at its top-level commas."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def _span_bytes(sizes: str, strides: str, dtype: str) -> int:
+    size = [int(s) for s in sizes.split(",") if s.strip()]
+    stride = [int(s) for s in strides.split(",") if s.strip()]
+    if any(s == 0 for s in size):
+        return 0
+    itemsize = getattr(torch, dtype.removeprefix("torch.")).itemsize
+    return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * itemsize
+
+
+class _Storages:
+    """Storages with reference counts (names in a frame, and holds), and the bytes of the live ones."""
+
+    def __init__(self, peak: EmittedPeak):
+        self.bytes: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak = peak
+
+    def new(self, nbytes: int) -> int:
+        sid = len(self.bytes)
+        self.bytes[sid], self.refs[sid] = int(nbytes), 0
+        return sid
+
+    def acquire(self, sid: int | None) -> None:
+        if sid is None:
+            return
+        if self.refs[sid] == 0:
+            self.live_bytes += self.bytes[sid]
+        self.refs[sid] += 1
+
+    def release(self, sid: int | None) -> None:
+        if sid is None:
+            return
+        self.refs[sid] -= 1
+        if self.refs[sid] == 0:
+            self.live_bytes -= self.bytes[sid]
+
+
+_RESIDENT = None  # the storage of a parameter, input or constant: counts nothing
+
+
+def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None]) -> list[int | None]:
+    """Run the statements of ``graph``'s ``call`` on ``mem``; ``bound`` gives each input's storage
+    (each holding one reference for it). Returns the storages of what it returns, one reference each."""
+    frame: dict[str, int | None] = {}
+    multi: set[str] = set()
+
+    def drop(name: str) -> None:
+        if name not in frame:
+            raise UnreadableCodeError(f"{tag}: del of {name}, which is not defined")
+        mem.release(frame.pop(name))
+
+    def bind(name: str, sid: int | None) -> None:
+        if name in frame:
+            drop(name)
+        frame[name] = sid
+        mem.acquire(sid)
+
+    for stmt in _call_body(graph.source):
+        if stmt == "args.clear()" or stmt.startswith(("assert_", "pass")):
+            continue
+        if m := _UNPACK.match(stmt):
+            names = [n.strip() for n in m.group(1).split(",") if n.strip()]
+            if len(names) != len(bound):
+                raise UnreadableCodeError(f"{tag} takes {len(names)} inputs, the step gives it {len(bound)}")
+            for name, sid in zip(names, bound):
+                frame[name] = sid  # the caller's reference is handed to the name
+            continue
+        if stmt.startswith("del "):
+            for name in stmt[4:].split(","):
+                drop(name.strip())
+            continue
+        if stmt.startswith("return"):
+            items = _split_top(stmt[len("return"):].strip().removeprefix("(").removesuffix(")"))
+            outs = []
+            for item in items:
+                if item == "None":
+                    outs.append(_RESIDENT)
+                    continue
+                a = _ALIAS.match(item)
+                if a is None or a.group(1) not in frame:
+                    raise UnreadableCodeError(f"{tag} returns {item!r}, not a buffer or input it names")
+                outs.append(frame[a.group(1)])
+                mem.acquire(frame[a.group(1)])
+            for name in list(frame):
+                drop(name)
+            return outs
+        if m := _ASSIGN.match(stmt):
+            name, expr = m.groups()
+            if (a := _ALIAS.match(expr)) and a.group(1) in frame:
+                bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
+            elif (item := _ITEM.match(expr)) and item.group(1) in multi:
+                bind(name, mem.new(_buffer_bytes(graph, name, tag)))  # one output of a fallback kernel
+            elif (empty := _EMPTY.match(expr)) is not None:
+                bind(name, mem.new(_span_bytes(*empty.groups())))
+            elif name in graph.buffer_bytes:
+                if graph.buffer_bytes[name] == 0 and not expr.startswith("empty"):
+                    multi.add(name)  # a multi-output kernel: its outputs are named next
+                bind(name, mem.new(graph.buffer_bytes[name]))
+            elif re.match(r"^buf\d+$", name):
+                raise UnreadableCodeError(f"{tag}: {stmt!r} makes {name}, whose size Inductor did not record")
+            else:
+                frame[name] = _RESIDENT  # not a tensor buffer (a stream, a size)
+            mem.peak.record(f"{tag}:{name}", mem.live_bytes)
+            continue
+        if stmt.endswith(":"):
+            continue  # a block header (a device guard); its body is walked as statements
+        mem.peak.record(f"{tag}:{stmt.split('(', 1)[0]}", mem.live_bytes)  # a kernel writing given buffers
+    raise UnreadableCodeError(f"{tag}'s call(args) has no return")
+
+
+def _buffer_bytes(graph: InductorGraph, name: str, tag: str) -> int:
+    if name not in graph.buffer_bytes:
+        raise UnreadableCodeError(f"{tag}: {name}'s size was not recorded by Inductor")
+    return graph.buffer_bytes[name]
+
+
+def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *,
+                  num_fwd_outputs: int, input_updates=(), hold_outputs: bool = True) -> EmittedPeak:
+    """Walk Inductor's forward, then its backward, and return their live bytes statement by statement.
+
+    Parameters
+    ----------
+    fw, bw : InductorGraph
+        What :func:`compile_graph` made of the plan's forward ``fw_gm`` and backward ``bw_gm``.
+    num_fwd_outputs, input_updates, hold_outputs :
+        As for :func:`remat_compiler.emitted.emitted_peak`: the step's accounting is the same.
+
+    Returns
+    -------
+    EmittedPeak
+        Its events are named ``"forward:<buffer or kernel>"`` / ``"backward:..."``.
+
+    Raises
+    ------
+    UnreadableCodeError
+        If a line of either wrapper is not one the walk understands (the backend then does not
+        trust the prediction).
+    """
+    peak = EmittedPeak()
+    mem = _Storages(peak)
+    fw_inputs = list(fw_gm.graph.find_nodes(op="placeholder"))
+    outs = _walk(fw, "forward", mem, [_RESIDENT] * len(fw_inputs))
+    for i in held_positions(fw_gm, num_fwd_outputs, input_updates, hold_outputs):
+        mem.acquire(outs[i])  # held by the caller to the end
+    for sid in outs[:num_fwd_outputs]:
+        mem.release(sid)
+    saved = outs[num_fwd_outputs:]
+    bw_inputs = list(bw_gm.graph.find_nodes(op="placeholder"))
+    tangents = bw_inputs[len(saved):]
+    bound = list(saved)  # each keeps the reference the forward's return took
+    for p in tangents:
+        val = p.meta.get("val")
+        sid = mem.new(strided_span_bytes(val)) if isinstance(val, torch.Tensor) else _RESIDENT
+        mem.acquire(sid)
+        bound.append(sid)
+    scalar = [sid for p, sid in zip(tangents, bound[len(saved):])
+              if isinstance(p.meta.get("val"), torch.Tensor) and p.meta["val"].dim() == 0]
+    for sid in scalar or bound[len(saved):]:
+        mem.acquire(sid)  # a gradient seed: autograd's engine holds it to the end
+    _walk(bw, "backward", mem, bound)  # the gradients it returns keep their reference to the end
+    return peak
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the compilers read of the plan the partitioner just made (see :class:`InductorCompilers`)."""
+
+    bw: fx.GraphModule          # the plan's backward, as emitted
+    num_fwd_outputs: int        # the forward's outputs that are the user's (the rest are saved)
+    input_updates: tuple        # positions among those of inputs mutated in place
+    hold_outputs: bool
+    plan_peak_bytes: int
+    limit_bytes: int | None     # the budget (None: no limit; the walk still gives the prediction)
+
+
+class InductorCompilers:
+    """AOTAutograd's forward and backward compilers for one traced step under a plan.
+
+    The forward's compiles the plan's forward and, at once, its backward (AOTAutograd would only ask
+    for the backward when it first runs, too late to re-plan), walks the two (:func:`compiled_peak`)
+    and raises :class:`CompiledOverBudget` when the code peaks above the budget, before anything
+    runs. The backward's hands back the backward compiled then, after checking that AOTAutograd asks
+    for that same graph.
+
+    Parameters
+    ----------
+    facts : callable
+        Returns the :class:`StepFacts` of the plan the partitioner just made.
+    """
+
+    def __init__(self, facts: Callable[[], StepFacts]):
+        self._facts = facts
+        self.fw: InductorGraph | None = None
+        self.bw: InductorGraph | None = None
+        self.peak: EmittedPeak | None = None
+        self._bw_code: str | None = None
+
+    def forward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
+        facts = self._facts()
+        self.fw = compile_graph(gm, example_inputs, backward=False)
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            bw_gm = copy.deepcopy(facts.bw)
+        self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
+        self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True)
+        self.peak = compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
+                                  input_updates=facts.input_updates, hold_outputs=facts.hold_outputs)
+        if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
+            raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
+        return self.fw
+
+    def backward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
+        if self.bw is None or gm.code != self._bw_code:
+            raise UnreadableCodeError("AOTAutograd asks to compile a backward other than the plan's, "
+                                      "whose compiled peak was checked")
+        return self.bw
+
+
+def _backward_inputs(bw: fx.GraphModule, fw: InductorGraph, num_fwd_outputs: int) -> list:
+    """The backward's example inputs: its placeholders' values, each saved one with the strides
+    Inductor's forward gives it (as AOTAutograd re-strides them)."""
+    vals = [p.meta.get("val") for p in bw.graph.find_nodes(op="placeholder")]
+    strides = getattr(fw.fn, "output_strides", None)
+    if strides is None:
+        return vals
+    saved_strides = list(strides)[num_fwd_outputs:]
+    for i, stride in enumerate(saved_strides[:len(vals)]):
+        v = vals[i]
+        if not isinstance(v, torch.Tensor) or stride is None:
+            continue
+        stride = tuple(int(x) for x in stride)  # Inductor records them as printed expressions
+        if tuple(v.stride()) != stride:
+            vals[i] = v.as_strided(v.size(), stride)
+    return vals
+
+
+@contextlib.contextmanager
+def watch(tracker, graphs: Sequence[InductorGraph]) -> Iterator[None]:
+    """Make ``tracker`` (a :class:`~remat_compiler.memory.LiveStorageTracker`, entered separately) see
+    the buffers ``graphs`` allocate outside the dispatcher, by wrapping their ``empty_strided*``."""
+    patched = []
+    for g in graphs:
+        fn = getattr(g.fn, "current_callable", None)
+        fn = getattr(fn, "__func__", fn)
+        namespace = getattr(fn, "__globals__", None)
+        if namespace is None:
+            raise UnreadableCodeError("the compiled graph's wrapper module is not reachable")
+        for key, original in list(namespace.items()):
+            if key.startswith("empty_strided") and callable(original):
+                namespace[key] = _adopting(tracker, original)
+                patched.append((namespace, key, original))
+    try:
+        yield
+    finally:
+        for namespace, key, original in patched:
+            namespace[key] = original
+
+
+def _adopting(tracker, allocate: Callable) -> Callable:
+    def allocate_and_adopt(*args, **kwargs):
+        t = allocate(*args, **kwargs)
+        tracker.adopt(t)
+        return t
+    return allocate_and_adopt

@@ -1,0 +1,145 @@
+"""The Inductor backend: plans compiled by Inductor keep their decisions, their gradients and the budget.
+
+Every step here is measured with the tracker that also sees Inductor's buffers
+(:func:`remat_compiler.inductor.watch`), and compared with the walk of the code Inductor wrote.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import remat_compiler
+import remat_compiler.inductor as inductor
+from examples.models import build_mlp
+from remat_compiler.inductor import EmittedPeak, InductorGraph, UnreadableCodeError, _Storages, _walk
+from remat_compiler.memory import LiveStorageTracker
+
+
+def _measured_step(m, model, step) -> int:
+    """Run ``step`` once to plan and compile, then again under the tracker; return its peak."""
+    step()
+    for p in model.parameters():
+        p.grad = None
+    tracker = LiveStorageTracker()
+    with tracker, inductor.watch(tracker, m.planned.inductor):
+        step()
+    return tracker.peak_bytes
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _mlp_case():
+    model, (x,), loss_fn = build_mlp(width=64, depth=4, batch=64, seed=0)
+    return model, x, loss_fn
+
+
+# ------------------------------------------------------------------------------------------------
+# The walk, on wrappers written by hand in Inductor's form
+
+_FORWARD = """
+class Runner:
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        assert_size_stride(primals_1, (4, 8), (8, 1), 'input')
+        buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+        cpp_fused_0(primals_1, buf0)
+        buf1 = torch.ops.remat.dropout_at.default(buf0, primals_2, 0.1, True, False)
+        buf2 = buf1[0]
+        buf3 = buf1[1]
+        del buf1
+        buf4 = buf0; del buf0  # reuse
+        cpp_fused_1(buf2, buf4)
+        buf5 = empty_strided_cpu((4, ), (1, ), torch.float64)
+        extern_kernels.mm(buf2, buf4, out=buf5)
+        del buf2
+        return (buf5, reinterpret_tensor(buf4, (32, ), (1, ), 0), buf3, primals_1, None, )
+runner = Runner(partitions=[])
+"""
+
+
+def test_the_walk_counts_allocations_reuse_multi_outputs_and_returns_as_inductor_writes_them():
+    graph = InductorGraph(fn=None, source=_FORWARD, buffer_bytes={"buf1": 0, "buf2": 128, "buf3": 32})
+    peak = EmittedPeak()
+    mem = _Storages(peak)
+    outs = _walk(graph, "forward", mem, [None, None])
+    # buf0 (128 B) + dropout's two outputs (128 + 32) live, then buf5 (4 float64 = 32 B) joins them
+    assert peak.peak_bytes == 128 + 128 + 32 + 32
+    assert peak.peak_node == "forward:buf5"
+    # returned: buf5, a view of buf4 (buf0's storage, reused), buf3, an input, None
+    assert [mem.bytes[s] if s is not None else None for s in outs] == [32, 128, 32, None, None]
+    assert mem.live_bytes == 32 + 128 + 32  # buf2 was freed; the returned three are held by the caller
+
+
+def test_the_walk_refuses_a_line_it_cannot_size():
+    source = _FORWARD.replace("buf5 = empty_strided_cpu((4, ), (1, ), torch.float64)",
+                              "buf5 = some_new_allocator(4)")
+    graph = InductorGraph(fn=None, source=source, buffer_bytes={"buf1": 0, "buf2": 128, "buf3": 32})
+    with pytest.raises(UnreadableCodeError, match="buf5"):
+        _walk(graph, "forward", _Storages(EmittedPeak()), [None, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end
+
+def test_an_inductor_plan_keeps_its_saved_values_gradients_and_budget():
+    model, x, loss_fn = _mlp_case()
+    loss_fn(model(x)).backward()
+    expected = _grads(model)
+    budget = 180_000  # between the checkpoint-every-block and no-recompute peaks of this MLP
+    m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=5)
+    measured = _measured_step(m, model, lambda: loss_fn(m(x)).backward())
+    got = _grads(model)
+    assert m.planned.backend == "inductor"
+    assert all(torch.allclose(got[n], expected[n], rtol=1e-5, atol=1e-6) for n in expected)
+    assert m.plan.recomputed, "the budget must make the plan recompute something"
+    # the compiled backward takes exactly the values the plan saves (and the tangent), by name
+    bw_names = [n.strip() for n in [s for s in inductor._call_body(m.planned.inductor[1].source)
+                                     if s.endswith("= args")][0][:-len("= args")].split(",") if n.strip()]
+    assert bw_names == [p.name for p in m.planned.bw.graph.find_nodes(op="placeholder")]
+    assert {n for n in bw_names if not n.startswith(("primals", "tangents"))} == set(m.plan.saved)
+    walked = m.planned.compiled.peak_bytes
+    assert measured <= budget
+    assert measured <= walked <= 1.10 * measured, (measured, walked)
+
+
+def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_it_cannot(monkeypatch):
+    model, x, loss_fn = _mlp_case()
+    budget = 180_000
+    real = inductor.compiled_peak
+    calls = []
+
+    def over_on_first_call(*args, **kwargs):  # Inductor's code for the first plan peaks 1 B over
+        peak = real(*args, **kwargs)
+        calls.append(peak.peak_bytes)
+        if len(calls) == 1:
+            peak.record("forward:pretend", budget + 1)
+        return peak
+    monkeypatch.setattr(inductor, "compiled_peak", over_on_first_call)
+    m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        loss_fn(m(x)).backward()
+    assert len(calls) == 2
+    assert m.planned.backend == "inductor" and m.planned.compiled.peak_bytes <= budget
+
+    def always_far_over(*args, **kwargs):
+        peak = real(*args, **kwargs)
+        peak.record("forward:pretend", 10 * budget)
+        return peak
+    monkeypatch.setattr(inductor, "compiled_peak", always_far_over)
+    model.zero_grad()
+    m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=5)
+    with pytest.warns(RuntimeWarning, match="eager backend's plan"):
+        loss_fn(m(x)).backward()
+    assert m.planned.backend == "eager" and m.plan.peak_bytes <= budget
+
+
+def test_an_unknown_backend_is_refused_naming_the_choices():
+    model, _, _ = _mlp_case()
+    with pytest.raises(ValueError, match="'eager'.*'inductor'"):
+        remat_compiler.compile(model, memory_budget=0.5, backend="tensorrt")
