@@ -119,15 +119,23 @@ def _recording_buffers(into: dict[str, int]) -> Iterator[None]:
         GraphLowering.codegen = original
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: bool) -> InductorGraph:
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: bool,
+                  num_user_outputs: int = 0) -> InductorGraph:
     """Compile one of a plan's graphs with Inductor (``compile_fx_inner``), recording its buffers.
 
-    Inductor's FX graph cache is off for the call: a cache hit would skip the lowering whose buffers
-    the walk needs.
+    The outputs the caller sees keep the strides the traced graph gives them, as ``torch.compile``
+    keeps them: the forward's first ``num_user_outputs`` and every gradient the backward returns (a
+    gradient in another layout than its parameter's would be copied by autograd's accumulation, an
+    allocation outside both the plan and the code). Inductor's FX graph cache is off for the call: a
+    cache hit would skip the lowering whose buffers the walk needs.
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    returned = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    visible = range(len(returned)) if backward else range(num_user_outputs)
+    out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
     buffers: dict[str, int] = {}
     with _recording_buffers(buffers), config.patch(fx_graph_cache=False):
         if backward:
@@ -387,7 +395,7 @@ class InductorCompilers:
 
     def forward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
         facts = self._facts()
-        self.fw = compile_graph(gm, example_inputs, backward=False)
+        self.fw = compile_graph(gm, example_inputs, backward=False, num_user_outputs=facts.num_fwd_outputs)
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             bw_gm = copy.deepcopy(facts.bw)
         self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
