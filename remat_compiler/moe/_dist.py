@@ -18,16 +18,25 @@ Layouts (``E`` experts in total, ``E_local = E / world`` per rank, capacity ``C`
 ``T * top_k`` of them sorted by expert, and rank ``j`` receives as many as were routed to its experts:
 ``all_to_all_single`` with input and output split sizes, as expert-parallel training does. The counts
 are all-gathered first (:func:`all_gather_counts`), and :func:`dropless_route` turns them into a
-:class:`Route`. A traced graph has static shapes, so the rows land in buffers padded to the capacity
-bound: the receive buffer has ``E_local * N + 1`` rows (``N = world * C`` rows per local expert, its
-last row always zero), of which the first ``sum(recv_splits)`` are received, and the expert side is
-``[E_local, N, ...]`` as in equal mode. Every routing that fits the capacity therefore allocates the
-same bytes at the same points, and the plan made for the padded graph predicts the step's peak for
-all of them; only the bytes sent vary (the cost model charges the padded buffer's, an upper bound).
-A routing that does not fit raises :class:`~remat_compiler.errors.ExpertCapacityError` on every rank
-before any row moves (each rank sees every rank's counts). The exchange itself is one custom op,
-``remat::all_to_all_uneven`` (:func:`all_to_all_uneven`), opaque to the trace, whose only allocation
-is its padded output; it is its own transpose with the splits swapped, which is its backward.
+:class:`Route`. The exchange itself is one custom op, ``remat::all_to_all_uneven``
+(:func:`all_to_all_uneven`), opaque to the trace, whose only allocation is its output; it is its own
+transpose with the splits swapped, which is its backward.
+
+Why padded buffers. A traced graph has static shapes, and the plan is made on it. Two ways fit that:
+trace with worst-case split sizes and run with the real ones, or keep every buffer at the capacity
+bound and exchange the real counts into it. The first runs tensors of other sizes than the traced
+ones, so the plan's byte accounting (what is live, saved, freed and when) describes a graph that
+never runs, and its peak is an upper bound only by an argument about every op's sizes that nothing
+checks. The second is chosen: the rows land in buffers padded to the bound (the receive buffer has
+``E_local * N + 1`` rows, ``N = world * C`` per local expert, its last row always zero; the first
+``sum(recv_splits)`` are received), and the expert side is ``[E_local, N, ...]`` as in equal mode. So
+every routing that fits allocates the same bytes at the same points as the traced graph: the plan's
+predicted peak is the measured one for all of them, checked by the same simulator. Only the bytes
+sent vary; the cost model charges the padded buffer's, an upper bound. A routing that does not fit
+raises :class:`~remat_compiler.errors.ExpertCapacityError` on every rank before any row moves (each
+rank sees every rank's counts), never drops. The route's op takes this rank's index as a constant,
+the one place a rank's graph differs from another's (graph fingerprints and plans do not depend on
+it: every rank runs rank 0's plan).
 
 - token side: ``[T * top_k, ...]`` rows sorted by global expert (so by destination rank).
 - receive buffer: ``[E_local * N + 1, ...]``, by source rank, then local expert; zero past the rows.

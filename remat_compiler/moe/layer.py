@@ -353,7 +353,9 @@ class MoELayer(nn.Module):
         ``[E_local, H, 2F]``, ``gemm2.weight`` is ``[E_local, F, H]``, ``router.linear.weight`` is
         ``[E, H]``. ``combine_mode`` holds the ``combine`` argument. In fused mode ``gemm2``,
         ``combine`` and ``unpermute`` are bypassed by one ``FusedCombine`` node (``gemm2.weight``
-        is still the parameter it uses).
+        is still the parameter it uses). With ``splits="uneven"``, ``permute``, ``dispatch`` and
+        ``combine`` are a :class:`DroplessPermute`, an :class:`UnevenDispatch` and an
+        :class:`UnevenCombine`; ``splits`` holds the argument.
 
     Raises
     ------
