@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["RematError", "InfeasibleBudgetError", "StrategyOverBudgetError", "StrategyNotApplicableError",
-           "UntraceableModelError", "PlanMismatchError", "PlanCheckError"]
+           "UntraceableModelError", "PlanMismatchError", "PlanCheckError", "ExpertCapacityError"]
 
 
 class RematError(Exception):
@@ -64,6 +64,12 @@ class UntraceableModelError(RematError):
 
 class PlanMismatchError(RematError, ValueError):
     """A saved plan was made for a different graph than the one it is applied to."""
+
+
+class ExpertCapacityError(RematError, ValueError):
+    """A dropless MoE step routed more rows to an expert than the capacity its buffers (and the plan
+    made for them) hold. Raised on every rank alike, before any row is exchanged; the message names
+    the expert, its rows, the capacity and the ``capacity_factor`` that fits."""
 
 
 class PlanCheckError(RematError, AssertionError):

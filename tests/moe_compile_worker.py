@@ -5,8 +5,9 @@ its rows of one global token batch, runs the step eagerly, then compiles a fresh
 strategy and runs it once. It saves eager and compiled outputs and gradients, each plan's digest
 (and every rank's digests, all-gathered), the plans' communication figures, the roles of the
 all-to-all nodes, (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths, and
-the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module, to
-``out_dir/rank{r}.pt``.
+the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module, and
+the dropless checks of :func:`moe_uneven_worker.uneven_checks` (uneven splits, in the same job so
+that they pay for no spawn of their own), to ``out_dir/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import remat_compiler.collectives
 from passes import CostModel
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
+
+import moe_uneven_worker
 
 __all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
            "plan_figures", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
@@ -167,7 +170,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                     "plans": {name: plan_figures(c) for name, (c, _) in compiled.items()},
                     "a2a_roles": all_to_all_roles(compiled["save_all"][0].planned.cg),
                     "link": origin_cost_per_link(group, x) if world == 2 else {},
-                    "measured": measured_against_plan(group, x)},
+                    "measured": measured_against_plan(group, x),
+                    "uneven": moe_uneven_worker.uneven_checks(group, world, rank)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

@@ -1,17 +1,21 @@
 """The MoE strategies through the whole compiler (issue 3): segment tags, plans, gradients, ranks.
 
 Workloads: a residual stack of two :class:`MoELayer` (float64, see ``moe_compile_worker.CONFIG``) on
-1, 2 and 4 gloo ranks, and a tiny random HuggingFace Mixtral (2 layers, 8 experts, top-2).
+1, 2 and 4 gloo ranks, the same kind of stack with dropless uneven splits on 2 and 4 ranks (issue 16,
+``moe_uneven_worker``; in the same spawned jobs), and a tiny random HuggingFace Mixtral (2 layers, 8
+experts, top-2).
 """
 
 from __future__ import annotations
 
+import json
 
 import dist_spawn
 import pytest
 import torch
 
 import moe_compile_worker as worker
+import moe_uneven_worker as uneven
 import remat_compiler
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoELayer
@@ -197,14 +201,17 @@ def test_fused_combine_mode_sets_and_restores():
 # ---------------------------------------------------------------- expert parallel (gloo)
 
 
-def spawn_ranks(world, out_dir, timeout_s=180):
-    dist_spawn.spawn_ranks(worker.run_rank, world, out_dir, timeout_s)
+@pytest.fixture(scope="module", params=[2, 4], ids=str)
+def ep_ranks(request, tmp_path_factory):
+    """One gloo job per world size, shared by the tests below: ``(world, [each rank's results])``."""
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"ep{world}")
+    dist_spawn.spawn_ranks(worker.run_rank, world, out_dir, timeout_s=240)
+    return world, [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_strategies(world, tmp_path):
-    spawn_ranks(world, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def test_expert_parallel_strategies(ep_ranks):
+    world, ranks = ep_ranks
     for r, res in enumerate(ranks):
         # each rank's compiled step equals its eager step, for every strategy
         assert set(res["compiled"]) == {*HAND_PICKED, "cpsat"}
@@ -245,6 +252,67 @@ def test_expert_parallel_strategies(world, tmp_path):
         peaks = m["peaks"]
         assert sorted(peaks)[len(peaks) // 2] == m["predicted"], (r, m)
         assert all(m["predicted"] <= p <= m["predicted"] + 32 * 1024 for p in peaks), (r, m)
+
+
+def test_expert_parallel_uneven_splits(ep_ranks):
+    """Dropless expert parallelism (``MoELayer(splits="uneven")``): each compiled module is planned
+    once, for the capacity bound, identically on every rank, and stepped on a random, a skewed and a
+    one-rank routing with the real split sizes. Every step equals the same model run eagerly, and the
+    single-process model's; every step measures the plan's peak, within the budget; a routing over
+    the capacity raises on every rank, compiled as eagerly, and the module steps on afterwards."""
+    world, ranks = ep_ranks
+    results = [res["uneven"] for res in ranks]
+    rows = world * uneven.CONFIG["tokens"] * uneven.CONFIG["top_k"]  # rows sent by all ranks, one layer
+    sent = {routing: torch.tensor([u["sent_to"][routing] for u in results]) for routing in uneven.ROUTINGS}
+    # the routings are what they say: uneven splits everywhere, skewed and one_rank to rank 0's experts
+    assert all(len(set(row)) > 1 for routing in sent for row in sent[routing].tolist())
+    assert sent["skewed"].sum(0)[0] > 0.6 * rows
+    assert sent["one_rank"].sum(0)[0] == rows
+    local = uneven.CONFIG["num_experts"] // world
+    raised = set()
+    for name, (spec, _) in uneven.COMPILED.items():
+        reference = {routing: uneven.single_process_reference(world, routing, spec["num_layers"])
+                     for routing in uneven.ROUTINGS}
+        # one plan on every rank: digests and whole JSON, all-gathered on each rank
+        plans = results[0]["plans"][name]
+        assert all(u["plans"][name] == plans for u in results)
+        assert [d for d, _ in plans] == [plans[0][0]] * world and len({j for _, j in plans}) == 1
+        if spec["combine"] == "fused":  # moe_origin sends the routed rows again in backward, and pays for it
+            plan = json.loads(plans[0][1])
+            again = {v["op"] for v in plan["values"] if v["decision"] == "recomputed"}
+            assert {"remat.all_to_all_uneven.default", "remat.dropless_route.default",
+                    "_c10d_functional.all_gather_into_tensor.default"} <= again
+            assert plan["recompute_comm_bytes"] > 0
+        for r, u in enumerate(results):
+            predicted, budget = u["predicted"][name], u["budget"][name]
+            assert predicted <= budget
+            for routing in uneven.ROUTINGS:
+                got, want = u["compiled"][name][routing], u["eager"][name][routing]
+                if isinstance(want, str):  # over capacity: the same clear error, compiled and eager
+                    assert got == want and "capacity_factor >=" in want, (name, routing, got)
+                    raised.add((name, routing, r))
+                    continue
+                label = f"{name} {routing} rank {r}"
+                assert_same_step(got, want, label)
+                ref = reference[routing]
+                torch.testing.assert_close(want["loss"], ref["loss"][r], **TOL)
+                torch.testing.assert_close(want["x"], ref["x"][r], **TOL)
+                for param, grad in want.items():
+                    if "gemm" in param:  # this rank's experts
+                        torch.testing.assert_close(grad, ref[param][r * local:(r + 1) * local], **TOL,
+                                                   msg=lambda m: f"{label} {param}: {m}")
+                # every routing measures the plan's peak (most steps exactly; see the gloo note above),
+                # never above the budget
+                peaks = u["peaks"][name][routing]
+                assert max(peaks) <= budget and sorted(peaks)[len(peaks) // 2] == predicted, (label, peaks)
+            assert_same_step(u["after_overflow"][name], u["eager"][name]["random"], f"{name} after")
+        # the replicated routers' gradients sum over the ranks to the single-process one
+        for routing in uneven.ROUTINGS:
+            steps = [u["eager"][name][routing] for u in results]
+            if not isinstance(steps[0], str):
+                for param in (p for p in steps[0] if "router" in p):
+                    torch.testing.assert_close(sum(s[param] for s in steps), reference[routing][param], **TOL)
+    assert raised == {("cpsat", "one_rank", r) for r in range(world)}
 
 
 # ---------------------------------------------------------------- HuggingFace Mixtral

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_dist_worker
+from remat_compiler.errors import ExpertCapacityError
 from remat_compiler.moe import MoELayer, fused_combine, layer as layer_module
 
 H, FFN, E, K = 8, 6, 4, 2  # hidden, ffn, experts, top_k; FFN, 2*FFN and H differ on purpose
@@ -120,6 +121,60 @@ def test_capacity_overflow_drops_by_k_major_rule():
             assert torch.equal(first[name], again[name]), f"{mode} {name} not deterministic"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_uneven_splits_are_dropless_on_one_rank(mode):
+    """splits="uneven" with no group: every assignment is kept, also at a capacity that holds the
+    routing exactly; one row less raises instead of dropping."""
+    x, g = tokens((16, H)), tokens((16, H), seed=2)
+    want, num_kept = run_naive(make_layer("autograd"), x, g)
+    assert num_kept == 16 * K
+    got = run_layer(make_layer(mode, splits="uneven"), x, g)
+    assert_results_close(got, want, f"{mode} uneven vs naive")
+    fits = max(torch.bincount(make_layer(mode).router(x)[1].reshape(-1), minlength=E).tolist())
+    factor = fits / (16 * K / E)  # the least capacity_factor that holds this routing: no drop, no error
+    assert factor < NO_DROP
+    exact = run_layer(make_layer(mode, factor, splits="uneven"), x, g)
+    assert_results_close(exact, want, f"{mode} at {factor}")
+    less = make_layer(mode, (fits - 1) / (16 * K / E), splits="uneven")
+    with pytest.raises(ExpertCapacityError, match=rf"routed {fits} rows .* at most {fits - 1} rows per expert"):
+        run_layer(less, x, g)
+
+
+def naive_route(counts: torch.Tensor, rank: int, rows_per_expert: int):
+    """dropless_route by loops: splits, each expert row's received row, each received row's slot."""
+    world, num_experts = counts.shape
+    local = num_experts // world
+    send = [int(counts[rank, j * local:(j + 1) * local].sum()) for j in range(world)]
+    recv = [int(counts[s, rank * local:(rank + 1) * local].sum()) for s in range(world)]
+    expert_rows = torch.full((local, rows_per_expert), local * rows_per_expert)
+    recv_slots = torch.zeros(local * rows_per_expert, dtype=torch.long)
+    received, filled = 0, [0] * local
+    for s in range(world):  # received rows come by source rank, then local expert
+        for e in range(local):
+            for _ in range(int(counts[s, rank * local + e])):
+                expert_rows[e, filled[e]] = received
+                recv_slots[received] = e * rows_per_expert + filled[e]
+                filled[e] += 1
+                received += 1
+    return torch.tensor(send), torch.tensor(recv), expert_rows, recv_slots
+
+
+def test_dropless_route_matches_loops():
+    # [source rank, expert]: 4 ranks, 2 experts each; experts 4 and 6 get 7 rows, the capacity
+    counts = torch.tensor([[3, 0, 2, 1, 4, 0, 0, 1], [0, 5, 1, 0, 2, 2, 1, 0], [1, 1, 0, 3, 0, 0, 5, 0],
+                           [2, 0, 0, 0, 1, 1, 1, 4]])
+    for rank in range(4):
+        got = torch.ops.remat.dropless_route(counts, rank, 7)
+        want = naive_route(counts, rank, 7)
+        for name, a, b in zip(("send", "recv", "expert_rows", "recv_slots"), got, want):
+            assert torch.equal(a, b), (rank, name, a, b)
+    counts[0, 6] += 1
+    for rank in range(4):  # every rank sees every rank's counts: all raise alike
+        with pytest.raises(ExpertCapacityError, match=r"expert 6 \(on rank 3\) was routed 8 rows .* at most "
+                                                      r"7 rows per expert .* capacity_factor >= "):
+            torch.ops.remat.dropless_route(counts, rank, 7)
+
+
 def saved_tensor_log(layer, x):
     """Shapes and bytes (numel * element_size) of every tensor autograd saves in one forward."""
     log = []
@@ -147,13 +202,14 @@ def test_fused_combine_never_saves_y():
     assert saved_bytes["autograd"] - saved_bytes["fused"] == y_bytes == 1536
 
 
+@pytest.mark.parametrize("splits", ["equal", "uneven"])
 @pytest.mark.parametrize("combine", MODES)
-def test_layer_traces_with_aot_autograd_static_shapes(combine):
+def test_layer_traces_with_aot_autograd_static_shapes(combine, splits):
     tokens_ = 12
     x, g = tokens((tokens_, H)), tokens((tokens_, H), seed=2)
-    out, grads, graphs = moe_dist_worker.trace_step(make_layer(combine), x, g)
+    out, grads, graphs = moe_dist_worker.trace_step(make_layer(combine, splits=splits), x, g)
 
-    want = run_layer(make_layer(combine), x, g)
+    want = run_layer(make_layer(combine, splits=splits), x, g)
     torch.testing.assert_close(out, want["out"], **TOL)
     for name, key in [("x", "x"), ("router.linear.weight", "router"), ("gemm1.weight", "w1"),
                       ("gemm2.weight", "w2")]:
@@ -181,6 +237,8 @@ def test_bad_arguments_raise_value_error(monkeypatch):
         MoELayer(H, FFN, num_experts=4, top_k=0)
     with pytest.raises(ValueError, match="combine"):
         MoELayer(H, FFN, num_experts=4, top_k=2, combine="magic")
+    with pytest.raises(ValueError, match="splits"):
+        MoELayer(H, FFN, num_experts=4, top_k=2, splits="ragged")
     with pytest.raises(ValueError, match="capacity_factor"):
         MoELayer(H, FFN, num_experts=4, top_k=2, capacity_factor=0)
     layer = make_layer("fused")

@@ -30,10 +30,12 @@ outputs, which the plan's simulator counts like any op's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.flop_counter import bmm_flop, register_flop_formula
 
-from ._dist import expert_to_token, group_world_size, token_to_expert
+from ._dist import Route, experts_to_rows, expert_to_token, group_world_size, rows_to_experts, token_to_expert
 
 __all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "assignment_of_rows", "rowdot",
            "combine_dgrad"]
@@ -144,40 +146,62 @@ def _combine_dgrad_flop(grad_shape, w2_shape, act_shape, p_shape, out_shape=None
             + bmm_flop((experts * rows, 1, width), (experts * rows, width, 1)))
 
 
+def _to_experts(tok: torch.Tensor, group, route) -> torch.Tensor:
+    """Token-side rows (``[E, C, D]`` capacity buffer, or ``[T*top_k, D]`` with a route) to the experts."""
+    if route is None:
+        return token_to_expert(tok, group, differentiable=False)
+    return rows_to_experts(tok.reshape(-1, tok.shape[-1]), route, group)
+
+
+def _to_tokens(buf: torch.Tensor, group, route, num_rows: int) -> torch.Tensor:
+    """Expert-side ``[E_local, rows, D]`` back to the token side (``[E, C, D]``, or ``[num_rows, D]``)."""
+    if route is None:
+        return expert_to_token(buf, group, differentiable=False)
+    return experts_to_rows(buf, route, group, num_rows)
+
+
 class FusedCombine(torch.autograd.Function):
     """GEMM2 + combine all-to-all + probability-weighted unpermute with a memory-lean backward.
 
     See the module docstring for the math. Use through :func:`fused_combine`. The backward's
     largest transient is one ``[E_local, W*C, F]`` buffer (``H``, scaled in place into ``dL/da`` by
-    :func:`combine_dgrad`); it gathers ``G`` into the capacity buffer (no per-assignment copy of
-    ``G``) and takes ``d(probs)`` as a batched row dot product (no ``H * a`` temp).
+    :func:`combine_dgrad`); it gathers ``G`` into the token-side buffer (no per-assignment copy of
+    ``G``) and takes ``d(probs)`` as a batched row dot product (no ``H * a`` temp). The token side is
+    the ``[E, C]`` capacity buffer with equal splits, or the ``[T * top_k]`` routed rows with a
+    :class:`~remat_compiler.moe._dist.Route` (uneven splits): the route's four tensors follow
+    ``group`` as arguments.
     """
 
     @staticmethod
-    def forward(ctx, act, w2, probs, slot, group):
+    def forward(ctx, act, w2, probs, slot, group, *route):
+        route = Route(*route) if route else None
         y = torch.bmm(act, w2)  # [E_local, world * C, H]
-        y_tok = expert_to_token(y, group, differentiable=False)  # [E, C, H]
+        if route is None:
+            y_tok = expert_to_token(y, group, differentiable=False)  # [E, C, H]
+        else:
+            y_tok = experts_to_rows(y, route, group, slot.numel())  # [T * top_k, H]
         out = weighted_unpermute(y_tok.reshape(-1, y_tok.shape[-1]), probs, slot)
-        ctx.save_for_backward(act, w2, probs, slot)
+        ctx.save_for_backward(act, w2, probs, slot, *(route or ()))
         ctx.group = group
-        ctx.token_buffer_shape = tuple(y_tok.shape[:2])  # (E, C)
+        ctx.token_buffer_shape = tuple(y_tok.shape[:-1])  # (E, C), or (T * top_k,)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        act, w2, probs, slot = ctx.saved_tensors
+        act, w2, probs, slot, *route = ctx.saved_tensors
+        route = Route(*route) if route else None
         group = ctx.group
-        num_experts, capacity = ctx.token_buffer_shape
-        num_rows = num_experts * capacity
+        shape = ctx.token_buffer_shape
+        num_rows = math.prod(shape)
         tokens, top_k = probs.shape
 
-        # Unscaled G and the probability of each capacity row (zero rows where unused); to the experts.
+        # Unscaled G and the probability of each token-side row (zero rows where unused); to the experts.
         assignment = assignment_of_rows(slot, num_rows)
         token = torch.div(assignment, top_k, rounding_mode="floor")  # unused rows -> T, the zero row
-        g_tok = _pad_row(grad_out).index_select(0, token).view(num_experts, capacity, -1)
-        p_tok = _pad_row(probs.reshape(-1, 1)).index_select(0, assignment).view(num_experts, capacity, 1)
-        g_exp = token_to_expert(g_tok, group, differentiable=False)  # [E_local, W*C, H]
-        p_exp = token_to_expert(p_tok, group, differentiable=False)  # [E_local, W*C, 1]
+        g_tok = _pad_row(grad_out).index_select(0, token).view(*shape, -1)
+        p_tok = _pad_row(probs.reshape(-1, 1)).index_select(0, assignment).view(*shape, 1)
+        g_exp = _to_experts(g_tok, group, route)  # [E_local, W*C, H]
+        p_exp = _to_experts(p_tok, group, route)  # [E_local, W*C, 1]
 
         grad_w2 = torch.bmm(act.transpose(1, 2), g_exp * p_exp) if ctx.needs_input_grad[1] else None
         grad_act = grad_probs = None
@@ -185,15 +209,15 @@ class FusedCombine(torch.autograd.Function):
             # dgrad GEMM, scaled in place after d(probs) is read off it: one [E_local, W*C, F] buffer
             grad_act, dp_exp = combine_dgrad(g_exp, w2, act, p_exp)
         if ctx.needs_input_grad[2]:
-            dp_tok = expert_to_token(dp_exp, group, differentiable=False).reshape(num_rows)
+            dp_tok = _to_tokens(dp_exp, group, route, num_rows).reshape(num_rows)
             dp_tok = torch.cat([dp_tok, dp_tok.new_zeros(1)])  # dropped assignments get 0
             grad_probs = dp_tok.index_select(0, slot.reshape(-1)).view(tokens, top_k)
         if not ctx.needs_input_grad[0]:
             grad_act = None
-        return grad_act, grad_w2, grad_probs, None, None
+        return (grad_act, grad_w2, grad_probs, None, None, *(None for _ in (route or ())))
 
 
-def fused_combine(act, w2, probs, slot, group=None):
+def fused_combine(act, w2, probs, slot, group=None, route=None):
     """Run GEMM2, the combine all-to-all and the weighted unpermute as one autograd node.
 
     Parameters
@@ -205,9 +229,13 @@ def fused_combine(act, w2, probs, slot, group=None):
     probs : torch.Tensor
         ``[T, top_k]`` renormalised routing probabilities (token side).
     slot : torch.Tensor
-        ``[T, top_k]`` int64 capacity-buffer row of each assignment, ``E * C`` when dropped.
+        ``[T, top_k]`` int64 capacity-buffer row of each assignment, ``E * C`` when dropped (with a
+        ``route``: its row among the ``T * top_k`` routed rows).
     group : torch.distributed.ProcessGroup or None
         Expert-parallel group; None or one rank means no communication.
+    route : Route or None
+        None: equal splits of ``[E, C]`` capacity buffers. A :class:`~remat_compiler.moe._dist.Route`
+        (``MoELayer(splits="uneven")``): the dropless exchange with the routed split sizes.
 
     Returns
     -------
@@ -238,4 +266,4 @@ def fused_combine(act, w2, probs, slot, group=None):
             f"act has {act.shape[1]} rows per expert, not divisible by the group size; "
             "pass the expert-side buffer produced by token_to_expert"
         )
-    return FusedCombine.apply(act, w2, probs, slot, group)
+    return FusedCombine.apply(act, w2, probs, slot, group, *(route or ()))

@@ -6,8 +6,14 @@ Pipeline (one submodule per step, so a graph pass can find the pieces by module 
 
 With ``combine="fused"`` the last three steps run as one :class:`~remat_compiler.moe.combine.FusedCombine`
 node that never saves the GEMM2 output. Every shape depends only on the input's shape and the
-constructor arguments: routing uses one-hot cumsums and index ops, tokens over capacity are dropped
-by a fixed rule, nothing calls ``.item()`` or branches on tensor values.
+constructor arguments: routing uses one-hot cumsums and index ops, nothing calls ``.item()`` or
+branches on tensor values in the traced code.
+
+Two ways to exchange tokens (``splits``): ``"equal"`` moves fixed ``[E, C, H]`` capacity buffers with
+equal-split all-to-alls and drops assignments over capacity by a fixed rule; ``"uneven"`` is dropless,
+as expert-parallel training runs: each rank sends exactly its routed rows with the real split sizes,
+into receive buffers padded to the capacity bound, and a routing over that bound raises (see
+:mod:`remat_compiler.moe._dist` for why the padding keeps the memory plan exact for every routing).
 """
 
 from __future__ import annotations
@@ -19,14 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._dist import group_rank, group_world_size, token_to_expert, expert_to_token
+from ._dist import (all_gather_counts, dropless_route, experts_to_rows, expert_to_token, group_rank,
+                    group_world_size, rows_to_experts, token_to_expert)
 from .combine import fused_combine, weighted_unpermute
 
 __all__ = [
     "MoELayer",
     "Router",
     "Permute",
+    "DroplessPermute",
     "AllToAll",
+    "UnevenDispatch",
+    "UnevenCombine",
     "GroupedGEMM",
     "SwiGLU",
     "Unpermute",
@@ -37,6 +47,7 @@ __all__ = [
 ]
 
 COMBINE_MODES = ("autograd", "fused")
+SPLIT_MODES = ("equal", "uneven")
 
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -132,6 +143,43 @@ class Permute(nn.Module):
         return buf, slot.view(top_k, tokens).t()
 
 
+class DroplessPermute(nn.Module):
+    """Sort token copies by expert into ``[T * top_k, H]`` rows: nothing is dropped (``splits="uneven"``).
+
+    Within an expert, assignments keep the order ``(k, t)`` of :class:`Permute`.
+
+    Parameters
+    ----------
+    num_experts : int
+        Experts in total.
+
+    Returns (forward)
+    -----------------
+    rows : torch.Tensor
+        ``[T * top_k, H]``: expert 0's rows, then expert 1's, ...
+    slot : torch.Tensor
+        ``[T, top_k]`` int64 row of ``rows`` holding each assignment.
+    counts : torch.Tensor
+        ``[E]`` int64 rows per expert.
+    """
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor):
+        tokens, top_k = experts.shape
+        order = experts.t().reshape(-1)  # [K*T], k-major: index k*T + t
+        onehot = (order.unsqueeze(1) == torch.arange(self.num_experts, device=x.device)).long()
+        counts = onehot.sum(0)
+        position = (onehot.cumsum(0) * onehot).sum(1) - 1  # rank of the assignment in its expert
+        first = counts.cumsum(0) - counts  # each expert's first row
+        slot = first.index_select(0, order) + position  # a permutation of 0 .. K*T - 1
+        token_of = torch.arange(tokens, device=x.device).repeat(top_k)  # assignment k*T+t -> t
+        source = torch.empty_like(token_of).scatter(0, slot, token_of)  # row -> its token (a gather)
+        return x.index_select(0, source), slot.view(top_k, tokens).t(), counts
+
+
 class AllToAll(nn.Module):
     """Differentiable all-to-all between the token side ``[E, C, ...]`` and the expert side.
 
@@ -155,6 +203,64 @@ class AllToAll(nn.Module):
 
     def extra_repr(self) -> str:
         return f"to_experts={self.to_experts}, world={group_world_size(self.group)}"
+
+
+class UnevenDispatch(nn.Module):
+    """Dropless dispatch: exchange the routed row counts, then the rows, with uneven splits.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup or None
+        No communication when None or of size 1.
+    num_experts : int
+    capacity_factor : float
+        Each expert holds ``N = world * C`` rows, ``C = ceil(T * top_k / E * capacity_factor)``.
+
+    Returns (forward of ``rows [T*top_k, H]``, ``counts [E]``)
+    -----------------------------------------------------------
+    buf : torch.Tensor
+        ``[E_local, N, H]`` expert side, zero rows where unused.
+    route : Route
+        How the rows moved (for the combine, and for the backward).
+
+    Raises (forward)
+    ----------------
+    ExpertCapacityError
+        On every rank, before any row is exchanged, if an expert is routed more than ``N`` rows.
+    """
+
+    def __init__(self, group, num_experts: int, capacity_factor: float):
+        super().__init__()
+        self.group = group
+        self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+
+    def rows_per_expert(self, rows: int) -> int:
+        """``N = world * C`` for ``rows = T * top_k`` rows on each rank."""
+        capacity = max(1, math.ceil(rows / self.num_experts * self.capacity_factor))
+        return group_world_size(self.group) * capacity
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor):
+        everyone = all_gather_counts(counts, self.group)  # [world, E], identical on every rank
+        route = dropless_route(everyone, self.group, self.rows_per_expert(rows.shape[0]))
+        return rows_to_experts(rows, route, self.group), route
+
+    def extra_repr(self) -> str:
+        return f"world={group_world_size(self.group)}, uneven splits"
+
+
+class UnevenCombine(nn.Module):
+    """Dropless combine: the expert side ``[E_local, N, H]`` back to the token side ``[T*top_k, H]``."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, buf: torch.Tensor, route, rows: int) -> torch.Tensor:
+        return experts_to_rows(buf, route, self.group, rows)
+
+    def extra_repr(self) -> str:
+        return f"world={group_world_size(self.group)}, uneven splits"
 
 
 class GroupedGEMM(nn.Module):
@@ -201,8 +307,8 @@ class FusedCombineStep(nn.Module):
         self.group = group
 
     def forward(self, act: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor,
-                slot: torch.Tensor) -> torch.Tensor:
-        return fused_combine(act, w2, probs, slot, self.group)
+                slot: torch.Tensor, route=None) -> torch.Tensor:
+        return fused_combine(act, w2, probs, slot, self.group, route)
 
 
 class MoELayer(nn.Module):
@@ -220,15 +326,24 @@ class MoELayer(nn.Module):
         Experts per token, ``1 <= top_k <= num_experts``.
     group : torch.distributed.ProcessGroup or None
         Expert-parallel group. Rank ``r`` of ``world`` holds experts ``r*E/world .. (r+1)*E/world - 1``.
-        Every rank must pass the same number of tokens (the all-to-alls use equal splits). The
+        Every rank must pass the same number of tokens (the buffers' sizes derive from it). The
         router is replicated: its gradient on each rank covers that rank's tokens only, so reduce
         it over the data-parallel ranks as for any replicated parameter. None: all experts local.
     capacity_factor : float
-        Capacity ``C = ceil(T * top_k / E * capacity_factor)`` rows per expert and source rank;
-        overflowing assignments are dropped (see :class:`Permute`). ``>= E / top_k`` drops nothing.
+        Capacity ``C = ceil(T * top_k / E * capacity_factor)`` rows per expert and source rank.
+        ``splits="equal"``: overflowing assignments are dropped (see :class:`Permute`). ``"uneven"``:
+        each expert holds ``world * C`` rows from all ranks together and a routing that sends it
+        more raises :class:`~remat_compiler.errors.ExpertCapacityError`. ``>= E / top_k`` fits every
+        routing in both modes (``C >= T``).
     combine : {"autograd", "fused"}
         ``"autograd"``: GEMM2, combine all-to-all and unpermute as plain differentiable ops (saves
         the GEMM2 output for d(probs)). ``"fused"``: one :class:`FusedCombine` node that does not.
+    splits : {"equal", "uneven"}
+        ``"equal"``: fixed ``[E, C, H]`` capacity buffers and equal-split all-to-alls, assignments
+        over capacity dropped. ``"uneven"``: dropless; every rank sends exactly its routed rows with
+        the real split sizes (:class:`DroplessPermute`, :class:`UnevenDispatch`,
+        :class:`UnevenCombine`), received into buffers padded to the capacity bound, so the traced
+        shapes, and a plan's predicted peak, hold for every routing that fits.
 
     Attributes
     ----------
@@ -238,13 +353,15 @@ class MoELayer(nn.Module):
         ``[E_local, H, 2F]``, ``gemm2.weight`` is ``[E_local, F, H]``, ``router.linear.weight`` is
         ``[E, H]``. ``combine_mode`` holds the ``combine`` argument. In fused mode ``gemm2``,
         ``combine`` and ``unpermute`` are bypassed by one ``FusedCombine`` node (``gemm2.weight``
-        is still the parameter it uses).
+        is still the parameter it uses). With ``splits="uneven"``, ``permute``, ``dispatch`` and
+        ``combine`` are a :class:`DroplessPermute`, an :class:`UnevenDispatch` and an
+        :class:`UnevenCombine`; ``splits`` holds the argument.
 
     Raises
     ------
     ValueError
         On non-positive sizes, ``top_k`` outside ``[1, num_experts]``, ``num_experts`` not
-        divisible by the group size, or an unknown ``combine``.
+        divisible by the group size, or an unknown ``combine`` or ``splits``.
 
     Weights are drawn from torch's global RNG in a fixed order (router, full W1 ``[E, H, 2F]``,
     full W2 ``[E, F, H]``) on every rank, and each rank keeps its expert shard, so ranks seeded
@@ -267,10 +384,11 @@ class MoELayer(nn.Module):
         group=None,
         capacity_factor: float = 2.0,
         combine: str = "autograd",
+        splits: str = "equal",
     ):
         super().__init__()
         world = group_world_size(group)
-        _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacity_factor, combine)
+        _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacity_factor, combine, splits)
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.num_experts = num_experts
@@ -278,6 +396,7 @@ class MoELayer(nn.Module):
         self.group = group
         self.capacity_factor = capacity_factor
         self.combine_mode = combine
+        self.splits = splits
         self.num_local_experts = num_experts // world
 
         self.router = Router(hidden_size, num_experts, top_k)
@@ -285,12 +404,16 @@ class MoELayer(nn.Module):
         w2 = _uniform((num_experts, ffn_hidden_size, hidden_size), ffn_hidden_size)
         first = group_rank(group) * self.num_local_experts
         shard = slice(first, first + self.num_local_experts)
-        self.permute = Permute(num_experts, capacity_factor)
-        self.dispatch = AllToAll(group, to_experts=True)
+        if splits == "uneven":
+            self.permute = DroplessPermute(num_experts)
+            self.dispatch = UnevenDispatch(group, num_experts, capacity_factor)
+        else:
+            self.permute = Permute(num_experts, capacity_factor)
+            self.dispatch = AllToAll(group, to_experts=True)
         self.gemm1 = GroupedGEMM(w1[shard].clone())
         self.act = SwiGLU()
         self.gemm2 = GroupedGEMM(w2[shard].clone())
-        self.combine = AllToAll(group, to_experts=False)
+        self.combine = UnevenCombine(group) if splits == "uneven" else AllToAll(group, to_experts=False)
         self.unpermute = Unpermute()
         self.fused_combine = FusedCombineStep(group)
 
@@ -311,6 +434,8 @@ class MoELayer(nn.Module):
         ------
         ValueError
             If ``x`` is not 2-D or 3-D or its last dim is not ``hidden_size``.
+        ExpertCapacityError
+            With ``splits="uneven"``, if the routing sends an expert more rows than its capacity.
         """
         if x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
             raise ValueError(
@@ -319,10 +444,17 @@ class MoELayer(nn.Module):
             )
         tokens = x.reshape(-1, self.hidden_size)
         probs, experts = self.router(tokens)
-        buf, slot = self.permute(tokens, experts)
-        act = self.act(self.gemm1(self.dispatch(buf)))
+        if self.splits == "uneven":
+            rows, slot, counts = self.permute(tokens, experts)
+            buf, route = self.dispatch(rows, counts)
+        else:
+            (buf, slot), route = self.permute(tokens, experts), None
+            buf = self.dispatch(buf)
+        act = self.act(self.gemm1(buf))
         if self.combine_mode == "fused":
-            out = self.fused_combine(act, self.gemm2.weight, probs, slot)
+            out = self.fused_combine(act, self.gemm2.weight, probs, slot, route)
+        elif route is not None:
+            out = self.unpermute(self.combine(self.gemm2(act), route, slot.numel()), probs, slot)
         else:
             out = self.unpermute(self.combine(self.gemm2(act)), probs, slot)
         return out.view_as(x)
@@ -331,7 +463,8 @@ class MoELayer(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
             f"num_experts={self.num_experts}, num_local_experts={self.num_local_experts}, "
-            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, combine={self.combine_mode!r}"
+            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, combine={self.combine_mode!r}, "
+            f"splits={self.splits!r}"
         )
 
 
@@ -375,7 +508,7 @@ def _uniform(shape, fan_in: int) -> torch.Tensor:
     return torch.empty(shape).uniform_(-bound, bound)
 
 
-def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacity_factor, combine):
+def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacity_factor, combine, splits):
     for name, value in (
         ("hidden_size", hidden_size),
         ("ffn_hidden_size", ffn_hidden_size),
@@ -397,6 +530,8 @@ def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacit
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
     if combine not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
+    if splits not in SPLIT_MODES:
+        raise ValueError(f"splits must be one of {SPLIT_MODES}, got {splits!r}")
 
 
 @contextlib.contextmanager
