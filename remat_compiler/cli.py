@@ -9,7 +9,7 @@
     remat-compiler plan examples/gpt2.py:build --budget 0.5 --plan-cache ~/.cache/remat   # reuse plans
     remat-compiler pareto examples/gpt2.py:build --budgets 1.0,0.8,0.6,0.4,0.3 --png pareto.png
     remat-compiler compare examples/moe.py:build --strategies save_all,cpsat --budget 0.95
-    remat-compiler plan --hf-config config.json --batch 1 --seq 8192 --dtype bfloat16 --device h100 --budget 60GiB
+    remat-compiler plan --hf-config config.json --seq 8192 --dtype bfloat16 --device h100 --budget 60GiB
     remat-compiler pareto --hf-config config.json --seq 4096 --budgets 1.0,0.7,0.5
     remat-compiler fit --hf-config config.json --budget 70GiB --seq-max 32768 --device h100
 
@@ -19,10 +19,11 @@ passes keyword arguments to it. ``--hf-config`` names a transformers config file
 causal language model is built on the meta device (:mod:`remat_compiler.hf_config`).
 
 Exit codes: 0 ok; 2 bad arguments (usage errors, a budget that does not parse, an unknown solver, a
-bad ``MODULE:FACTORY``, ``--arg`` or ``--hf-config``, and a ``--load`` file that is not a valid plan or was made for
-another graph: the file is an argument, and nothing is run with it); 3 infeasible budget (the message
-names the smallest feasible budget; for ``fit``, at the smallest size); 1 anything else. Every failure prints one line
-``remat-compiler: error: ...`` on stderr; ``--verbose`` adds the traceback.
+bad ``MODULE:FACTORY``, ``--arg`` or ``--hf-config``, and a ``--load`` file that is not a valid plan
+or was made for another graph: the file is an argument, and nothing is run with it); 3 infeasible
+budget (the message names the smallest feasible budget; for ``fit``, at the smallest size); 1
+anything else. Every failure prints one line ``remat-compiler: error: ...`` on stderr;
+``--verbose`` adds the traceback.
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ from passes.files import atomic_write_text
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import get_solver, solve
 from remat_compiler.sweep import format_pareto_table, strategy_points, sweep_budgets
-from remat_compiler.tables import format_table
 from remat_compiler.viz import plan_to_dot, plot_pareto, plot_timeline
 from remat_compiler.workload import FactoryError, Workload, load_workload
 
@@ -470,15 +470,47 @@ def fit(ctx: click.Context, hf_config: str, budget: str, seq_max: int | None, ba
     answer is a size that fits whose next multiple of --step was planned and does not.
     """
     console: Console = ctx.obj
-    if (seq_max is None) == (batch_max is None):
-        raise click.UsageError("give --seq-max N (the longest sequence) or --batch-max N (the largest batch), "
-                               "one of them")
     if parse_budget(budget).bytes is None:
         raise click.BadParameter("fit needs an absolute budget (bytes, or a unit string such as 70GiB): the "
                                  "no-recompute peak a fraction is taken of changes with the size searched",
                                  param_hint="--budget")
     if fmt != "table" and output is None:
         raise click.UsageError(f"--format {fmt} writes the plan to -o FILE (stdout carries the search)")
+    dim, sizes = _fit_grid(ctx, seq_max, batch_max, step, seq)
+    config = _load_config(hf_config)
+    _check_seq(config, sizes[-1] if dim == "seq" else seq, "--seq-max" if dim == "seq" else "--seq")
+    model = _build_model(console, hf_config, config, dtype)
+
+    def shape(size: int) -> tuple[int, int]:
+        """(batch, seq) at a size searched."""
+        return (batch, size) if dim == "seq" else (size, seq)
+
+    span = f"{sizes[0]}..{sizes[-1]}"
+    _note_model(console, config, model,
+                f"batch {batch} x seq {span}" if dim == "seq" else f"batch {span} x seq {seq}")
+
+    def plan_at(size: int) -> PlannedGraph:
+        b, s = shape(size)
+        return _solve(console, causal_lm_workload(config, batch=b, seq=s, model=model), budget, "cpsat",
+                      time_limit_s, hold_outputs=_hold_outputs(drop_outputs, hf_config), device=device,
+                      label=f"{dim} {size}")
+
+    result = fit_size(plan_at, sizes, on_probe=lambda probe: console.note(describe_probe(dim, probe)))
+    step = sizes[0]  # the grid's step, the default resolved
+    click.echo(format_fit(result, dim, step, parse_budget(budget).bytes))
+    if result.best is None:
+        raise NothingFits(_nothing_fits(budget, result.probes[0], shape, step))
+    click.echo()
+    _emit_text(console, _render(result.best.planned, fmt, all_rows), output)
+
+
+def _fit_grid(ctx: click.Context, seq_max: int | None, batch_max: int | None, step: int | None,
+              seq: int | None) -> tuple[str, list[int]]:
+    """What fit searches (``"seq"`` or ``"batch"``) and the sizes it may try, the multiples of
+    ``step``; a missing, doubled or contradicting option is a usage error."""
+    if (seq_max is None) == (batch_max is None):
+        raise click.UsageError("give --seq-max N (the longest sequence) or --batch-max N (the largest batch), "
+                               "one of them")
     dim, size_max = ("seq", seq_max) if seq_max is not None else ("batch", batch_max)
     fixed = "--seq" if dim == "seq" else "--batch"
     if fixed in _given(ctx, {"seq": "--seq", "batch": "--batch"}):
@@ -489,30 +521,7 @@ def fit(ctx: click.Context, hf_config: str, budget: str, seq_max: int | None, ba
     sizes = list(range(step, size_max + 1, step))
     if not sizes:
         raise click.BadParameter(f"{size_max} is below --step {step}", param_hint=f"--{dim}-max")
-    config = _load_config(hf_config)
-    _check_seq(config, sizes[-1] if dim == "seq" else seq, "--seq-max" if dim == "seq" else "--seq")
-    model = _build_model(console, hf_config, config, dtype)
-
-    def shape(size: int) -> tuple[int, int]:
-        """(batch, seq) at a size searched."""
-        return (batch, size) if dim == "seq" else (size, seq)
-
-    (b0, s0), (b1, s1) = shape(sizes[0]), shape(sizes[-1])
-    _note_model(console, config, model, f"batch {b0}..{b1} x seq {s0}..{s1}" if dim == "batch"
-                else f"batch {b0} x seq {s0}..{s1}")
-
-    def plan_at(size: int) -> PlannedGraph:
-        b, s = shape(size)
-        return _solve(console, causal_lm_workload(config, batch=b, seq=s, model=model), budget, "cpsat",
-                      time_limit_s, hold_outputs=_hold_outputs(drop_outputs, hf_config), device=device,
-                      label=f"{dim} {size}")
-
-    result = fit_size(plan_at, sizes, on_probe=lambda probe: console.note(describe_probe(dim, probe)))
-    click.echo(format_fit(result, dim, step, parse_budget(budget).bytes))
-    if result.best is None:
-        raise NothingFits(_nothing_fits(budget, result.probes[0], shape, step))
-    click.echo()
-    _emit_text(console, _render(result.best.planned, fmt, all_rows), output)
+    return dim, sizes
 
 
 def _nothing_fits(budget: str, probe: Probe, shape: Callable[[int], tuple[int, int]], step: int) -> str:

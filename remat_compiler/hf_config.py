@@ -127,11 +127,15 @@ def build_causal_lm(config, dtype: torch.dtype = torch.float32) -> torch.nn.Modu
         code is not in transformers), or the config's sizes do not make one.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"transformers has no causal language model (AutoModelForCausalLM) for model_type "
+                          f"{config.model_type!r}: plan its model with a MODULE:FACTORY")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-    except ValueError as exc:  # transformers' own refusal (no causal-LM class, inconsistent sizes)
+    except ValueError as exc:  # transformers' own refusal (inconsistent sizes, remote code)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"transformers builds no causal language model (AutoModelForCausalLM) from this "
                           f"{config.model_type} config: {first_line}") from exc
