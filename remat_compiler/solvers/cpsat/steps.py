@@ -117,7 +117,11 @@ def search(job: Job, rm: RematModel, start: Seed, relaxed: float | None, progres
         return _solved(rm, solver, status, relaxed)
     if status == cp_model.UNKNOWN and start.saved is not None:
         # CP-SAT stopped before reaching the hinted plan (a big graph's presolve): that plan fits
-        return _known(job, start.saved, max(solver.best_objective_bound, relaxed or 0.0) * g, optimal=False)
+        bound = max(solver.best_objective_bound, relaxed or 0.0)
+        found = _known(job, start.saved, bound * g, optimal=False)
+        if progress is not None:  # no solution came through the callback: report the one kept
+            progress.report(found.cost // g, bound)
+        return found
     return NotFound(status, solver.best_objective_bound if status == cp_model.UNKNOWN else 0.0)
 
 
