@@ -506,7 +506,8 @@ def _check_wrapper(model: torch.nn.Module) -> None:
         raise ValueError(
             "compile(torch.compile(model)) is not supported: remat_compiler traces the model itself. "
             "Pass the model (remat_compiler.compile(model, memory_budget, backend='inductor') has "
-            "Inductor compile the planned forward and backward)")
+            "Inductor compile the planned forward and backward); torch.compile around the compiled "
+            "module runs the plan unchanged")
 
 
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",

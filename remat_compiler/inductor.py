@@ -284,10 +284,12 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
             return outs
         if m := _ASSIGN.match(stmt):
             name, expr = m.groups()
-            if (a := _ALIAS.match(expr)) and a.group(1) in frame:
+            a, item = _ALIAS.match(expr), _ITEM.match(expr)
+            if (a and a.group(1) in multi) or (item and item.group(1) in multi):
+                # the output of a fallback kernel (``buf1 = buf0`` for its only one, ``buf1 = buf0[i]``)
+                bind(name, mem.new(_buffer_bytes(graph, name, tag)))
+            elif a and a.group(1) in frame:
                 bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
-            elif (item := _ITEM.match(expr)) and item.group(1) in multi:
-                bind(name, mem.new(_buffer_bytes(graph, name, tag)))  # one output of a fallback kernel
             elif (empty := _EMPTY.match(expr)) is not None:
                 bind(name, mem.new(_span_bytes(*empty.groups())))
             elif name in graph.buffer_bytes:

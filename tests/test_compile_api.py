@@ -139,9 +139,11 @@ class DataDependent(nn.Module):
         return h.sum()
 
 
-def test_untraceable_model_names_the_op_and_line():
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_untraceable_model_names_the_op_and_line(backend):
+    # where Dynamo would break the graph, the step (traced whole, without Dynamo) is refused
     with pytest.raises(rc.UntraceableModelError) as err:
-        rc.compile(DataDependent(), memory_budget=0.5)(torch.randn(3, 4))
+        rc.compile(DataDependent(), memory_budget=0.5, backend=backend)(torch.randn(3, 4))
     msg = str(err.value)
     assert "_local_scalar_dense" in msg or "data-dependent" in msg
     assert "test_compile_api.py" in msg and "h.sum() > 0" in msg
