@@ -12,8 +12,8 @@ Rows, per workload (the models of :mod:`benchmarks.workloads`, built by its fact
 - ``torch.compile`` with Inductor at each ``activation_memory_budget`` of
   :data:`~benchmarks.strategies.PYTORCH_BUDGETS`, and checkpoint every block under ``torch.compile``;
 - ``remat_compiler`` with ``backend="inductor"`` and ``memory_budget`` = each of those compiled
-  points' measured peak and checkpoint every block's; ``backend="eager"`` at checkpoint every
-  block's peak, for reference.
+  points' measured peak, eager's and checkpoint every block's; ``backend="eager"`` at checkpoint
+  every block's peak, for reference.
 
 Measurement. Each row runs in its own fresh process started with
 :data:`~remat_compiler.memory.RSS_ENV` (:func:`benchmarks.rss_check.run_fresh`), with an empty Inductor
@@ -31,7 +31,8 @@ arenas), hence the benchmark's full sizes: ``--quick`` peaks are mostly that noi
 
 A remat_compiler point meets its target when its measured peak is at most the peer's and its step-time
 ratio at most the peer's. Run time on a quiet 2-core machine: ``--quick`` about 10 minutes for both
-workloads; full size about 40 minutes to an hour (14 processes per workload, each compiling cold).
+workloads; full size about 40 minutes to an hour (15 processes per workload, 12 of them compiling
+with a cold Inductor cache: a minute or two each on CPU).
 
 >>> doc = bench_workload("gpt2", PeerOptions(quick=True))                 # doctest: +SKIP
 >>> print(render_markdown([doc]))                                          # doctest: +SKIP
@@ -246,8 +247,7 @@ def _run_row(task: dict, opts: PeerOptions) -> dict:
 
 
 def _label(row: dict) -> str:
-    return row["kind"].removeprefix("remat ") if row["setting"] in ("-", "") else \
-        f"{row['kind'].replace('torch.compile checkpoint', 'torch.compile')} {row['setting']}"
+    return row["kind"] if row["setting"] in ("-", "") else f"{row['kind']} {row['setting']}"
 
 
 def bench_workload(name: str, opts: PeerOptions) -> dict:
@@ -263,9 +263,9 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
     run = lambda kind, setting, **extra: _run_row(_task(name, opts, kind, setting, **extra), opts)  # noqa: E731
     rows = [run("eager", "-"), run("checkpoint", "every block")]
     peers = [run("torch.compile", f"budget {b}", activation_budget=b) for b in opts.budgets]
-    peers.append(run("torch.compile checkpoint", "checkpoint every block"))
+    peers.append(run("torch.compile checkpoint", "every block"))
     rows += peers
-    for peer in (*peers, rows[1]):
+    for peer in (rows[0], *peers, rows[1]):
         setting = f"@ {_label(peer)} peak"
         peak = peer.get("rss_peak_bytes")
         if not peak or peak <= 0:
@@ -323,8 +323,8 @@ def format_table(doc: dict) -> str:
     by_label = {_label(r): r for r in doc["rows"] if not r["kind"].startswith("remat")}
     lines = [TABLE_HEADER, "|" + "---|" * (TABLE_HEADER.count(" | ") + 1)]
     for r in doc["rows"]:
-        runner = {"remat inductor": "remat_compiler inductor", "remat eager": "remat_compiler eager",
-                  "torch.compile checkpoint": "torch.compile"}.get(r["kind"], r["kind"])
+        runner = {"remat inductor": "remat_compiler inductor", "remat eager": "remat_compiler eager"
+                  }.get(r["kind"], r["kind"])
         if r.get("status") != "ok":
             cells = [runner, r["setting"], _mib(r.get("budget_bytes"))] + ["-"] * 9 + \
                 [f"{r['status']}: {r.get('note', '')}"]
