@@ -375,6 +375,12 @@ def check_targets(doc: dict) -> list[str]:
         out.append(f"- predicted within {PREDICTION_TOLERANCE:.0%} of measured on every Inductor row: "
                    f"{'met' if abs(err) <= PREDICTION_TOLERANCE else '**not met**'} "
                    f"(worst {err:+.1%}, {worst['setting']})")
+    tracked = [r for r in remat if r.get("tracked_peak_bytes") is not None]
+    if tracked:
+        worst = max(tracked, key=lambda r: abs(r["tracked_peak_bytes"] - r["predicted_peak_bytes"]))
+        diff = worst["tracked_peak_bytes"] - worst["predicted_peak_bytes"]
+        out.append(f"- tracked peak = predicted on every remat_compiler row: {'met' if diff == 0 else '**not met**'}"
+                   f" (largest difference {diff:+d} bytes, {worst['kind']} {worst['setting']})")
     fell_back = [r for r in rows if r["kind"] == "remat inductor" and r.get("status") == "ok"
                  and r.get("backend") != "inductor"]
     if fell_back:
