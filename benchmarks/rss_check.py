@@ -21,7 +21,7 @@ from pathlib import Path
 
 from remat_compiler.memory import RSS_ENV
 
-__all__ = ["CASES", "measure_case", "main"]
+__all__ = ["CASES", "run_fresh", "measure_case", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,15 +73,47 @@ def _child(case: str) -> dict:
     return {"case": case, "tracker_bytes": tracker.peak_bytes, "rss_bytes": rss.peak_bytes}
 
 
+def run_fresh(function: str, arg, timeout_s: float = 300, env: dict | None = None):
+    """``function(arg)`` computed in a fresh Python process started with
+    :data:`~remat_compiler.memory.RSS_ENV` (so :class:`~remat_compiler.memory.ResidentPeak` works there).
+
+    Parameters
+    ----------
+    function : str
+        ``"package.module:name"``, importable from the repository root.
+    arg :
+        JSON-serialisable; so must be what the function returns (printed as the last line of stdout).
+    timeout_s : float
+    env : dict, optional
+        More environment variables for the process.
+
+    Raises
+    ------
+    RuntimeError
+        If the process fails (the message ends with the last lines of its stderr).
+    subprocess.TimeoutExpired
+        If it runs longer than ``timeout_s``.
+
+    Example
+    -------
+    >>> run_fresh("benchmarks.rss_check:_child", "mlp")["case"]          # doctest: +SKIP
+    'mlp'
+    """
+    module, name = function.split(":")
+    env = {**os.environ, **RSS_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
+    code = (f"import json, sys; from {module} import {name}; "
+            f"print(json.dumps({name}(json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(arg)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        tail = "\n".join(out.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{function}({arg!r}) failed in its fresh process:\n{tail}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure_case(case: str, timeout_s: float = 300) -> dict:
     """Measure ``case`` in a fresh process started with :data:`~remat_compiler.memory.RSS_ENV`."""
-    env = {**os.environ, **RSS_ENV, "PYTHONPATH": str(ROOT)}
-    code = f"import json; from benchmarks.rss_check import _child; print(json.dumps(_child({case!r})))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"measuring {case} failed: {out.stderr.strip().splitlines()[-1:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_fresh("benchmarks.rss_check:_child", case, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@
 - ``checkpoint``: ``torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)`` around every
   repeated block (:func:`checkpoint_every_block`);
 - ``torch.compile``: PyTorch's own planner, ``torch.compile(model, backend="aot_eager_decomp_partition")``
-  with ``torch._functorch.config.activation_memory_budget`` at each budget (:func:`planner_backend`);
+  with ``torch._functorch.config.activation_memory_budget`` at each budget (:func:`planner_backend`;
+  :mod:`benchmarks.inductor_peers` runs it over ``backend="inductor"``);
 - the project's hand-picked MoE strategies (``moe_origin``, ``moe_fast``, ``moe_custom``) through
   ``remat_compiler.compile(model, solver=name)``;
 - ``remat_compiler``: CP-SAT plans (:func:`remat_runner`) through ``remat_compiler.compile(model,
@@ -111,8 +112,9 @@ def checkpoint_runner(spec: WorkloadSpec, quick: bool, group=None) -> Runner:
     return Runner("checkpoint", "every block", checkpoint_every_block(model, spec.blocks), _params(model))
 
 
-def planner_backend(budget: float, compiles: list[int]) -> Callable:
-    """The ``aot_eager_decomp_partition`` backend with ``activation_memory_budget = budget``.
+def planner_backend(budget: float, compiles: list[int], inner: str = "aot_eager_decomp_partition") -> Callable:
+    """The ``inner`` Dynamo backend (default ``aot_eager_decomp_partition``, whose graphs the step
+    trackers see into; ``"inductor"`` for compiled speed) with ``activation_memory_budget = budget``.
 
     The config is patched while this backend compiles (AOTAutograd partitions the joint graph then),
     so several compiled modules with different budgets live side by side: each is its own backend
@@ -121,20 +123,22 @@ def planner_backend(budget: float, compiles: list[int]) -> Callable:
     """
     from torch._dynamo.backends.registry import lookup_backend
 
-    inner = lookup_backend("aot_eager_decomp_partition")
+    compile_graph = lookup_backend(inner)
 
     def backend(gm, example_inputs):
         compiles[0] += 1
         with torch._functorch.config.patch(activation_memory_budget=budget):
-            return inner(gm, example_inputs)
+            return compile_graph(gm, example_inputs)
     return backend
 
 
-def pytorch_runner(spec: WorkloadSpec, quick: bool, budget: float, group=None) -> Runner:
-    """PyTorch's planner at one ``activation_memory_budget``, on a fresh model (compiled on first call)."""
+def pytorch_runner(spec: WorkloadSpec, quick: bool, budget: float, group=None,
+                   backend: str = "aot_eager_decomp_partition") -> Runner:
+    """PyTorch's planner at one ``activation_memory_budget``, on a fresh model (compiled on first call
+    by :func:`planner_backend` over ``backend``)."""
     model, _, _ = spec.build(quick, group)
     compiles = [0]
-    compiled = torch.compile(model, backend=planner_backend(budget, compiles))
+    compiled = torch.compile(model, backend=planner_backend(budget, compiles, backend))
     return Runner("torch.compile", f"budget {budget}", compiled, _params(model), extras={"compiles": compiles})
 
 

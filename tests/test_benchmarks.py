@@ -51,3 +51,37 @@ def test_quick_benchmark_writes_results_and_picture(tmp_path):
     pixels = image.imread(str(png))
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]  # atomic writes leave nothing
+
+
+def test_inductor_peers_table_and_targets():
+    """benchmarks.inductor_peers' table and verdicts, on rows written by hand. Its ``--quick`` run is
+    not run here: every row is a fresh process compiling with Inductor (minutes on 2 cores)."""
+    from benchmarks.inductor_peers import TABLE_HEADER as PEERS_HEADER, check_targets, format_table
+
+    mib = 2 ** 20
+
+    def row(kind, setting, peak_mib, ratio, **extra):
+        return {"workload": "gpt2", "kind": kind, "setting": setting, "status": "ok", "rss_peak_bytes": peak_mib * mib,
+                "step_s": 0.1 * ratio, "step_ratio": ratio, "compile_s": 10.0, "max_grad_error": 0.0, **extra}
+
+    remat = dict(backend="inductor", tracked_peak_bytes=None)
+    doc = {"workload": "gpt2", "rows": [
+        row("eager", "-", 200, 1.0), row("checkpoint", "every block", 60, 1.13),
+        row("torch.compile", "budget 0.5", 80, 0.78),
+        row("remat inductor", "@ torch.compile budget 0.5 peak", 79, 0.75, budget_bytes=80 * mib,
+            predicted_peak_bytes=78 * mib, peer="torch.compile budget 0.5", **remat),
+        row("remat inductor", "@ checkpoint every block peak", 61, 0.9, budget_bytes=60 * mib,
+            predicted_peak_bytes=50 * mib, peer="checkpoint every block", **remat),
+        {"workload": "gpt2", "kind": "remat eager", "setting": "@ checkpoint every block peak",
+         "status": "infeasible", "note": "needs >= 70 MiB", "budget_bytes": 60 * mib},
+    ]}
+    table = format_table(doc).splitlines()
+    assert table[0] == PEERS_HEADER and len(table) == 2 + len(doc["rows"])
+    assert table[5].endswith("| met |") and table[6].endswith("| **not met** |") and table[3].endswith("| - |")
+    assert "infeasible: needs >= 70 MiB" in table[7]
+    targets = check_targets(doc)
+    assert targets[0].startswith("- at torch.compile budget 0.5's peak: met, 79.00 MiB at 0.75")
+    assert targets[1].startswith("- at checkpoint every block's peak: **not met**")
+    assert "<= 0.85 at checkpoint every block's peak (issue target): **not met**, 0.90" in targets[2]
+    assert "**not met**: remat inductor @ checkpoint every block peak 61.00 > 60.00 MiB" in targets[3]
+    assert "**not met** (worst -18.0%, @ checkpoint every block peak)" in targets[4]
