@@ -102,7 +102,7 @@ def test_gpt2_bound_beats_the_lp_and_its_plan_is_optimal(gpt2):
     assert found is not None and found.saved is not None
     rm = build_model(cg, budget, objective="flops")
     assert found.bound > lp_bound(rm) * rm.cost_gcd
-    searched = solve_cpsat(cg, budget, time_limit_s=8, objective="flops", block_reuse=False)
+    searched = solve_cpsat(cg, budget, time_limit_s=3, objective="flops", block_reuse=False)  # any plan bounds it
     assert found.bound <= searched.extras["cost_units"]
     plan = solve_cpsat(cg, budget, time_limit_s=30, objective="flops", memo=memo)
     assert plan.peak_bytes <= budget
