@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from passes.c10d import is_wait
 
-__all__ = ["release_after_waits", "release_collective_inputs", "use_counts", "RELEASE_TIMEOUT_S"]
+__all__ = ["release_after_waits", "release_collective_inputs", "use_counts", "as_library_ops", "RELEASE_TIMEOUT_S"]
 
 #: The longest :func:`release_collective_inputs` spins for one collective's inputs, in seconds.
 RELEASE_TIMEOUT_S = 0.2
@@ -80,6 +80,49 @@ def release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
             counts = gm.graph.call_function(use_counts, tuple(inputs))
         with gm.graph.inserting_after(w):
             gm.graph.call_function(release_collective_inputs, (counts, *inputs))
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+# The same two steps as operators, for a compiler that lowers only operators (Inductor runs them as
+# fallback kernels, in place, with their tensors alive up to the release): the counts travel as an
+# int64 tensor, and the release is declared to write its tensors so that it is neither dropped nor
+# moved before the wait.
+@torch.library.custom_op("remat::collective_refs", mutates_args=())
+def _collective_refs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([_refs(t) for t in tensors], dtype=torch.int64).reshape(len(tensors), 2)
+
+
+@_collective_refs.register_fake
+def _(tensors):
+    return torch.empty((len(tensors), 2), dtype=torch.int64)
+
+
+@torch.library.custom_op("remat::release_collective_inputs", mutates_args=("tensors",))
+def _release(counts: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    release_collective_inputs(tuple(tuple(int(c) for c in row) for row in counts.tolist()), *tensors)
+
+
+def as_library_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace the :func:`use_counts` / :func:`release_collective_inputs` calls that
+    :func:`release_after_waits` wrote in ``gm`` with the equivalent ``remat::`` operators (for
+    Inductor). Rewrites ``gm`` in place and returns it."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in (use_counts, release_collective_inputs):
+            continue
+        if n.target is use_counts:
+            n.target, n.args = torch.ops.remat.collective_refs.default, (list(n.args),)
+            fake = n.args[0][0].meta.get("val") if n.args[0] else None
+            if fake is not None:
+                with fake.fake_mode:
+                    n.meta["val"] = torch.empty((len(n.args[0]), 2), dtype=torch.int64)
+        else:
+            n.target, n.args = torch.ops.remat.release_collective_inputs.default, (n.args[0], list(n.args[1:]))
+            n.meta["val"] = None
         changed = True
     if changed:
         gm.graph.lint()

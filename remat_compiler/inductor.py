@@ -132,6 +132,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    from remat_compiler.collectives import as_library_ops
+
+    as_library_ops(gm)  # the gloo release after each wait, as operators Inductor can lower
     out = next(iter(gm.graph.find_nodes(op="output")))
     returned = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     visible = range(len(returned)) if backward else range(num_user_outputs)
