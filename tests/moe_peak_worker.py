@@ -20,6 +20,7 @@ from remat_compiler.moe import MoEStack
 from remat_compiler.schedule import simulate
 
 from moe_compile_worker import MeanSquare  # the model with its loss inside
+from moe_uneven_worker import run_step as _step  # one step from fresh gradients: loss and gradients
 
 __all__ = ["SHAPES", "STRATEGIES", "make_model", "make_tokens", "y_bytes", "run_shape", "run_rank"]
 
@@ -55,16 +56,6 @@ def make_tokens(shape: dict, world: int = 1, rank: int = 0) -> torch.Tensor:
 def y_bytes(shape: dict) -> int:
     """Bytes of the gathered expert outputs ``[T * top_k, H]`` that the autograd combine saves, all layers."""
     return shape["num_layers"] * TOKENS * shape["top_k"] * shape["hidden_size"] * 8
-
-
-def _step(model, x) -> dict:
-    params = dict(getattr(model, "original", model).named_parameters())
-    for p in params.values():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    loss = model(x)
-    loss.backward()
-    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in params.items()}}
 
 
 def _measured_peaks(model, x) -> list[int]:
