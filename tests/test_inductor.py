@@ -32,9 +32,20 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+class _WithLoss(torch.nn.Module):
+    """The MLP with its loss inside, so that the whole step is planned (a loss outside is not)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).square().mean()
+
+
 def _mlp_case():
-    model, (x,), loss_fn = build_mlp(width=64, depth=4, batch=64, seed=0)
-    return model, x, loss_fn
+    model, (x,), _ = build_mlp(width=64, depth=4, batch=64, seed=0)
+    return _WithLoss(model), x, lambda loss: loss
 
 
 # ------------------------------------------------------------------------------------------------
