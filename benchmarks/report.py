@@ -277,10 +277,12 @@ def format_scale(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def render_results(results: Sequence[dict], command: str = "python -m benchmarks.run") -> str:
-    """The whole RESULTS.md: how things are measured, then one section per workload."""
+def render_results(results: Sequence[dict], command: str = "python -m benchmarks.run", appendix: str = "") -> str:
+    """The whole RESULTS.md: how things are measured, then one section per workload, then ``appendix``
+    (Markdown measured by other commands, kept in ``data/inductor.md``: the Inductor peers)."""
     sections = [_scale_section(r) if r.get("kind") == "plan_scale" else _section(r) for r in results]
-    return "\n\n".join([PREAMBLE.format(command=command).rstrip(), *sections]) + "\n"
+    parts = [PREAMBLE.format(command=command).rstrip(), *sections] + ([appendix.strip()] if appendix.strip() else [])
+    return "\n\n".join(parts) + "\n"
 
 
 def _figure() -> Figure:

@@ -176,7 +176,10 @@ def main(argv=None) -> int:
         atomic_write_text(os.path.join(data_dir, f"{name}.json"), json.dumps(result, indent=1) + "\n")
         if name != "scale":
             plot_pareto_measured(result, os.path.join(args.out, f"pareto_{name}.png"))
-        atomic_write_text(os.path.join(args.out, "RESULTS.md"), render_results(load_results(data_dir)))
+        appendix_path = os.path.join(data_dir, "inductor.md")  # the Inductor peers (benchmarks.inductor_peers)
+        appendix = open(appendix_path).read() if os.path.exists(appendix_path) else ""
+        atomic_write_text(os.path.join(args.out, "RESULTS.md"), render_results(load_results(data_dir),
+                                                                               appendix=appendix))
         print(f"[{name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     for msg in failures:
         print(f"FAILED: {msg}", file=sys.stderr)
