@@ -403,10 +403,13 @@ class CompiledModule(torch.nn.Module):
     def _trace_and_run(self, entry: _Entry, inputs: list[torch.Tensor]):
         """Trace, plan and compile the step on its first call, and run its forward."""
         if self._backend == "eager":
-            entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
-            with self._spec.strategy.prepared(self._orig_mod):
-                return run_traced(entry.fn, self._orig_mod, inputs)
+            return self._trace_and_run_eager(entry, inputs)
         return self._trace_and_run_inductor(entry, inputs)
+
+    def _trace_and_run_eager(self, entry: _Entry, inputs: list[torch.Tensor]):
+        entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
+        with self._spec.strategy.prepared(self._orig_mod):
+            return run_traced(entry.fn, self._orig_mod, inputs)
 
     def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):
         """The Inductor backend's first call: plan, compile, and re-plan under a lower budget while
@@ -445,9 +448,7 @@ class CompiledModule(torch.nn.Module):
             return out
         warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                       f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
-        entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
-        with self._spec.strategy.prepared(self._orig_mod):
-            return run_traced(entry.fn, self._orig_mod, inputs)
+        return self._trace_and_run_eager(entry, inputs)
 
     def _gated(self, record: GradRecord, inputs: list[torch.Tensor]):
         positions = tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad)
