@@ -11,7 +11,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One torch thread per test process, and the same for the processes tests spawn: the README's command
+# runs two workers on a 2-core machine, and two OpenMP teams of two threads there wait on each other at
+# every parallel op (measured on a loaded machine: a tiny Qwen2 eager step, 17 ms on one thread, 1.49 s
+# on two).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 # The README's command runs the files on two workers (``-n 2 --dist loadfile``), handed out in
 # collection order: with the longest files first, neither worker is left running one alone at the end

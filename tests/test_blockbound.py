@@ -1,6 +1,6 @@
 """The block decomposition's bound and plan (solvers/cpsat/blockbound.py): below every plan that fits, at
-every budget (brute force on a small stack of identical blocks); above the LP relaxation on GPT-2;
-and its plan reaches it there, so the plan is proven optimal."""
+every budget (brute force on a small stack of identical blocks). That it beats the LP relaxation on
+GPT-2 and proves the plan optimal there is a timing claim, checked by ``python -m benchmarks.bound_check``."""
 from __future__ import annotations
 
 import itertools
@@ -13,9 +13,8 @@ import remat_compiler as rc
 from remat_compiler.schedule import build_schedule, simulate
 from remat_compiler.clock import Deadline
 from remat_compiler.graph import block_boundary_set
-from remat_compiler.solvers.cpsat import SolveMemo, build_model, cost_units, solve_cpsat
+from remat_compiler.solvers.cpsat import cost_units
 from remat_compiler.solvers.cpsat.blockbound import block_bound
-from remat_compiler.solvers.cpsat.lp import lp_bound
 
 
 class Block(nn.Module):
@@ -76,40 +75,6 @@ def test_bound_is_below_every_fitting_plan(d, h, batch):
 def test_blocks_that_differ_are_not_decomposed():
     cg = _stack(16, 64, 64, widths=[64, 32, 64])
     assert block_bound(cg, 10 ** 9, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(10)) is None
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    from examples.gpt2 import build
-
-    pytest.importorskip("transformers")
-    model, inputs, _ = build(n_layer=4, n_embd=64, n_head=4, vocab_size=256, batch=2, seq=64)
-    _, cg = rc.analyze(model, (), inputs, hold_outputs=False)
-    return cg
-
-
-def test_gpt2_bound_beats_the_lp_and_its_plan_is_optimal(gpt2):
-    """At the checkpoint-every-block peak: the decomposition's bound is above the LP relaxation's,
-    a CP-SAT search without the decomposition finds nothing below it, and the solver's plan with it
-    fits and is proven within 0.1% of the optimum (kFLOPs plus the per-op tie-break; this small
-    model's few op counts weigh more than GPT-2's at scale, where the FLOP gap is 0.002%)."""
-    cg = gpt2
-    budget = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes
-    # the menu is kept in the memo, so the solve given it below reuses it (as a sweep's later solves do)
-    memo = SolveMemo()
-    found = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(60),
-                        menus=memo.menus, cost_key="flops")
-    assert found is not None and found.saved is not None
-    rm = build_model(cg, budget, objective="flops")
-    assert found.bound > lp_bound(rm) * rm.cost_gcd
-    searched = solve_cpsat(cg, budget, time_limit_s=3, objective="flops", block_reuse=False)  # any plan bounds it
-    assert found.bound <= searched.extras["cost_units"]
-    plan = solve_cpsat(cg, budget, time_limit_s=30, objective="flops", memo=memo)
-    assert plan.peak_bytes <= budget
-    assert simulate(cg, build_schedule(cg, plan.saved)).peak_bytes <= budget
-    assert plan.extras["cost_bound_units"] >= found.bound
-    assert plan.extras["tiebreak_gap"] <= 1e-3, plan.extras
-    assert plan.extras["cost_units"] <= searched.extras["cost_units"]
 
 
 def test_kept_menus_follow_the_costs():
