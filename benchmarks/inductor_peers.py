@@ -29,8 +29,11 @@ row's step over eager's in the same round. Ratios of different rows come from di
 (the same machine, one after another). RSS counts allocations under 64 KiB imprecisely (glibc's
 arenas), hence the benchmark's full sizes: ``--quick`` peaks are mostly that noise.
 
-A remat_compiler point meets its target when its measured peak is at most the peer's and its step-time
-ratio at most the peer's. Run time on a quiet 2-core machine: ``--quick`` about 10 minutes for both
+A remat_compiler point meets its target when its measured peak is at most the peer's and its step is
+no slower than the peer's. The step times are compared in one process: each remat_compiler row builds
+its peer again once its own peaks are measured, and times eager, itself and the peer round-robin; "vs
+peer" is the median over rounds of its step over the peer's in the same round (the rows' ratios to
+eager come from different processes, which on this machine differ by more than the targets do). Run time on a quiet 2-core machine: ``--quick`` about 10 minutes for both
 workloads; full size about 40 minutes to an hour (15 processes per workload, 12 of them compiling
 with a cold Inductor cache: a minute or two each on CPU).
 
@@ -216,9 +219,18 @@ def measure_row(task: dict) -> dict:
             run_step(runner, args, kwargs)
         result["tracked_peak_bytes"] = tracker.peak_bytes
 
-    times = time_round_robin([eager, runner], args, kwargs, task["rounds"])
+    runners = [eager, runner]
+    if task.get("peer_task"):
+        # the peer again, here, after every peak above was measured: both timed in the same rounds
+        peer = _runner(task["peer_task"])
+        for _ in range(2):
+            run_step(peer, args, kwargs)
+        runners.append(peer)
+    times = time_round_robin(runners, args, kwargs, task["rounds"])
     result.update(step_s=statistics.median(times[1]), eager_step_s=statistics.median(times[0]),
                   step_ratio=round_ratio(times[1], times[0]), recompiles=compiles[0] - compiled_after_warmup)
+    if len(times) == 3:
+        result.update(peer_step_s=statistics.median(times[2]), vs_peer=round_ratio(times[1], times[2]))
     result["compile_s"] = result["first_call_s"] - result["step_s"]
     return result
 
@@ -272,7 +284,8 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
             rows.append(dict(_task(name, opts, "remat inductor", setting), peer=_label(peer), status="n/a",
                              note=f"{_label(peer)} has no positive measured peak"))
             continue
-        rows.append(dict(run("remat inductor", setting, budget_bytes=peak), peer=_label(peer)))
+        peer_task = {k: peer[k] for k in ("workload", "quick", "kind", "setting", "activation_budget") if k in peer}
+        rows.append(dict(run("remat inductor", setting, budget_bytes=peak, peer_task=peer_task), peer=_label(peer)))
     ckpt_peak = rows[1].get("rss_peak_bytes")
     if ckpt_peak and ckpt_peak > 0:
         rows.append(dict(run("remat eager", "@ checkpoint every block peak", budget_bytes=ckpt_peak),
@@ -286,8 +299,8 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
 # ---------------------------------------------------------------------------- tables and targets
 
 TABLE_HEADER = ("| runner | setting | budget (MiB) | RSS peak (MiB) | predicted (MiB) | predicted / RSS "
-                "| tracked (MiB) | step (ms) | step-time ratio | compile (s) | runs as | max abs grad error "
-                "| target |")
+                "| tracked (MiB) | step (ms) | step-time ratio | vs peer | compile (s) | runs as "
+                "| max abs grad error | target |")
 
 
 def _mib(n) -> str:
@@ -310,9 +323,16 @@ def _met(row: dict, peer: dict) -> tuple[bool, str]:
     >>> _met({"status": "ok", "rss_peak_bytes": 2**20, "step_ratio": 0.9},
     ...      {"status": "ok", "rss_peak_bytes": 2**21, "step_ratio": 1.0})
     (True, '1.000 MiB at 0.90 (peer 2.000 MiB at 1.00)')
+    >>> _met({"status": "ok", "rss_peak_bytes": 2**20, "step_ratio": 0.9, "vs_peer": 1.02},
+    ...      {"status": "ok", "rss_peak_bytes": 2**21, "step_ratio": 1.0})[0]
+    False
     """
     if row.get("status") != "ok" or peer.get("status") != "ok":
         return False, f"{row.get('status')}: {row.get('note', '')}".strip()
+    if "vs_peer" in row:  # timed beside the peer, round by round, in one process
+        ok = row["rss_peak_bytes"] <= peer["rss_peak_bytes"] and row["vs_peer"] <= 1.0
+        return ok, (f"{_mib(row['rss_peak_bytes'])} MiB (peer {_mib(peer['rss_peak_bytes'])} MiB), step "
+                    f"{row['vs_peer']:.2f} of the peer's in the same rounds")
     ok = row["rss_peak_bytes"] <= peer["rss_peak_bytes"] and row["step_ratio"] <= peer["step_ratio"]
     return ok, (f"{_mib(row['rss_peak_bytes'])} MiB at {row['step_ratio']:.2f} "
                 f"(peer {_mib(peer['rss_peak_bytes'])} MiB at {peer['step_ratio']:.2f})")
@@ -326,7 +346,7 @@ def format_table(doc: dict) -> str:
         runner = {"remat inductor": "remat_compiler inductor", "remat eager": "remat_compiler eager"
                   }.get(r["kind"], r["kind"])
         if r.get("status") != "ok":
-            cells = [runner, r["setting"], _mib(r.get("budget_bytes"))] + ["-"] * 9 + \
+            cells = [runner, r["setting"], _mib(r.get("budget_bytes"))] + ["-"] * 10 + \
                 [f"{r['status']}: {r.get('note', '')}"]
         else:
             pred, rss = r.get("predicted_peak_bytes"), r["rss_peak_bytes"]
@@ -335,7 +355,7 @@ def format_table(doc: dict) -> str:
                 target = "met" if _met(r, by_label[r["peer"]])[0] else "**not met**"
             cells = [runner, r["setting"], _mib(r.get("budget_bytes")), _mib(rss), _mib(pred),
                      "-" if pred is None or rss <= 0 else f"{pred / rss:.3f}", _mib(r.get("tracked_peak_bytes")),
-                     f"{r['step_s'] * 1e3:.1f}", f"{r['step_ratio']:.2f}",
+                     f"{r['step_s'] * 1e3:.1f}", f"{r['step_ratio']:.2f}", _num(r.get("vs_peer"), ".2f"),
                      "-" if r["kind"] in ("eager", "checkpoint") else f"{r['compile_s']:.1f}",
                      r.get("backend", "-"), _num(r.get("max_grad_error"), ".1e"), target]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -403,7 +423,8 @@ def render_markdown(docs: Sequence[dict], command: str = "", version: str = "") 
                 f"thread(s). Peaks: resident-set growth over one step, each row in a fresh process "
                 f"(MALLOC_MMAP_THRESHOLD_=65536); tracked: the live-storage tracker that sees Inductor's buffers. "
                 f"Step-time ratio: median over {d['rounds']} interleaved rounds of the row's step over eager's, "
-                f"in the row's process. Compile: first step less a median step, cold Inductor cache. CP-SAT: "
+                f"in the row's process; vs peer: over the peer's, timed in the same rounds in the remat_compiler row's "
+                f"process. Compile: first step less a median step, cold Inductor cache. CP-SAT: "
                 f"{d['time_limit_s']:g} s per solve, objective {d['objective']}. Wall time "
                 f"{d['runtime_s'] / 60:.1f} min.")
         if command:
@@ -430,6 +451,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=",".join(map(str, PYTORCH_BUDGETS)),
                    help="torch.compile's activation_memory_budget points (default: the benchmark's, "
                         f"{','.join(map(str, PYTORCH_BUDGETS))})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in every row's process (default: 2 on this machine; 1 when other work "
+                        "shares the cores, where two OpenMP threads wait on each other)")
     p.add_argument("--row-timeout", type=float, default=None, help="seconds per row's process (1800; quick 900)")
     p.add_argument("--markdown", help="also write the tables and targets to this Markdown file")
     p.add_argument("--json", help="also write every row's raw result to this JSON file")
@@ -445,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = PeerOptions(quick=args.quick, rounds=args.rounds or (3 if args.quick else 7),
                        time_limit_s=args.time_limit or (5.0 if args.quick else 25.0), num_workers=args.workers,
                        objective=args.objective, budgets=tuple(float(b) for b in args.budgets.split(",")),
-                       row_timeout_s=args.row_timeout or (900.0 if args.quick else 1800.0))
+                       row_timeout_s=args.row_timeout or (900.0 if args.quick else 1800.0),
+                       **({"threads": args.threads} if args.threads else {}))
     command = "python -m benchmarks.inductor_peers " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     docs = []
     for name in names:
