@@ -371,17 +371,22 @@ def test_mixtral_plans_match_eager():
         remat_compiler.plan_model(make_mixtral(), (), {"input_ids": MIXTRAL_IDS, "labels": MIXTRAL_IDS},
                                   solver="moe_custom")
     peaks = {}
-    for solver, budget in (("save_all", None), ("moe_origin", None), ("moe_fast", None), ("cpsat", 0.6),
-                           ("cpsat", 0.55)):
+
+    def run(solver, budget=None):
         options = MIXTRAL_CPSAT if solver == "cpsat" else {}
         module = remat_compiler.compile(make_mixtral(), memory_budget=budget, solver=solver, **options)
         assert_same_step(mixtral_step(module), want, f"{solver} at {budget}", MIXTRAL_TOL)
         plan = module.plan
         assert plan.budget_bytes is None or plan.peak_bytes <= plan.budget_bytes
         peaks[(solver, budget)] = plan.peak_bytes
-    baseline = peaks[("save_all", None)]
-    assert peaks[("moe_origin", None)] < peaks[("moe_fast", None)] < baseline
-    assert peaks[("cpsat", 0.55)] <= 0.55 * baseline
+
+    for solver in ("save_all", "moe_origin", "moe_fast"):
+        run(solver)
+    baseline, origin, fast = (peaks[(s, None)] for s in ("save_all", "moe_origin", "moe_fast"))
+    assert origin < fast < baseline
+    # CP-SAT at the hand-picked strategies' peaks (the MoE table's comparisons): below fast's, and at origin's
+    for budget in (fast - 1, origin):
+        run("cpsat", budget)
 
 
 def test_release_waits_until_another_holder_lets_go_of_a_collective_input():
