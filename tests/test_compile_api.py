@@ -187,3 +187,38 @@ def test_random_ops_are_never_recomputed():
     model(x).backward()
     for n, g in _grads(model).items():
         assert torch.allclose(g, got[n], rtol=1e-6, atol=1e-7), n
+
+
+def test_attention_without_dropout_is_recomputed_and_with_dropout_is_not():
+    """sdpa's CPU kernel is tagged random for its dropout alone: at dropout_p=0 (transformers' default,
+    attention_dropout=0.0) it may be recomputed, and a plan that recomputes it trains like eager."""
+    from passes.costs import _never_recompute
+
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    for p, random in ((0.1, True), (0.0, False)):  # (the CPU kernel refuses dropout > 0 when it runs)
+        graph = torch.fx.Graph()
+        q = graph.placeholder("q")
+        node = graph.call_function(kernel, (q, q, q, p))
+        reason = _never_recompute(node)
+        assert (reason is not None and reason.startswith("random op")) if random else reason is None, (p, reason)
+    pytest.importorskip("transformers")
+    import copy
+
+    from examples.zoo import build
+
+    model, inputs, _ = build("llama")  # LlamaConfig's defaults: sdpa attention, attention_dropout 0.0
+    reference = copy.deepcopy(model)
+    expected = reference(**inputs)
+    expected.backward()
+    cg = rc.analyze(model, (), inputs)[1]
+    sdpa = [n for n in cg.fw_order if "scaled_dot_product" in cg.attr(n, "op")]
+    assert len(sdpa) == 2 and not any(cg.attr(n, "never_recompute") for n in sdpa)
+    memo = rc.SolveMemo()
+    smallest, *_ = rc.solvers.cpsat.min_feasible_peak(cg, time_limit_s=1, memo=memo)
+    m = rc.compile(model, memory_budget=smallest, time_limit_s=1, memo=memo)
+    loss = m(**inputs)
+    loss.backward()
+    assert set(sdpa) & set(m.plan.recomputed), m.plan.recomputed  # the least peak recomputes attention
+    assert torch.allclose(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), n
