@@ -22,6 +22,7 @@ Writes on every call_function node:
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from passes.c10d import is_c10d, is_collective
-from passes.keys import (COMM_BYTES, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
+from passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
                          RUNTIME_S, STORAGE)
 from passes.rng import is_rng_state
 
@@ -165,7 +166,10 @@ def _never_recompute(node: fx.Node) -> str | None:
 
 
 def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
-    """Annotate FLOPs, communication bytes, runtime and recompute flags on every node of ``gm``."""
+    """Annotate FLOPs, communication bytes, runtime and recompute flags on every node of ``gm``, and
+    record the cost model's fields in ``gm.meta["remat.cost_model"]`` (a plan carries them, so a
+    plan applied on another machine is re-costed with the rates it was made with)."""
+    gm.meta[COST_MODEL] = dataclasses.asdict(cost_model) if dataclasses.is_dataclass(cost_model) else None
     for n in gm.graph.nodes:
         if n.op != "call_function":
             n.meta[FLOPS], n.meta[RUNTIME_S], n.meta[COMM_BYTES], n.meta[NEVER_RECOMPUTE] = 0, 0.0, 0, False

@@ -21,6 +21,7 @@ __all__ = [
     "RECOMPUTE_UNREAD", "MODULE", "BLOCK", "MOE", "MUTATED_INPUT",
     # gm.meta
     "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS", "DEVICE", "TRACED_ON", "ALLOCATOR",
+    "COST_MODEL",
     # node.meta["custom"]
     "TRACE_MODULE", "TRACE_MODULE_CLASS",
 ]
@@ -77,6 +78,8 @@ DEVICE = "remat.device"
 TRACED_ON = "remat.traced_on"
 #: Name of the allocator model the bytes are counted in (passes.allocator)             (passes.storage)
 ALLOCATOR = "remat.allocator"
+#: The cost model's fields (a dict) the runtimes were estimated with                    (passes.costs)
+COST_MODEL = "remat.cost_model"
 
 # ---------------------------------------------------------------- node.meta["custom"]  (writer)
 #: Dotted path of the innermost module running when the node was traced   (remat_compiler.trace)

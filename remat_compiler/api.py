@@ -62,7 +62,8 @@ class PlanSpec:
         Hard decisions for a solver that accepts a policy.
     cost_model : passes.CostModel, optional
     plan : Plan, optional
-        Apply this plan instead of solving.
+        Apply this plan instead of solving; without a ``cost_model``, the graph is costed with the
+        one the plan was made with (``plan.extras["cost_model"]``).
     plan_cache : PlanCache, optional
         Look the plan up here before solving, and store what is solved
         (:mod:`remat_compiler.plan_cache`).
@@ -100,6 +101,8 @@ class PlanSpec:
         elif plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got "
                              f"{type(plan).__name__}")
+        if plan is not None and cost_model is None and isinstance(plan.extras.get("cost_model"), dict):
+            cost_model = CostModel(**plan.extras["cost_model"])  # re-cost with the rates it was made with
         if plan is not None and plan_cache is not None:
             raise ValueError("plan= applies a given plan and plan_cache= looks plans up: pass one of them")
         if plan_cache is not None and not isinstance(plan_cache, PlanCache):

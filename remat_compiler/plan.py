@@ -245,7 +245,17 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
               gap: float = 0.0, solve_time_s: float = 0.0, model_peak_bytes: int | None = None,
               min_feasible_bytes: int | None = None, baseline_peak_bytes: int | None = None,
               extras: dict | None = None, rerun=()) -> Plan:
-    """Build a Plan from a saved set (and reruns): derive the schedule and simulate its memory and cost."""
+    """Build a Plan from a saved set (and reruns): derive the schedule and simulate its memory and cost.
+
+    ``extras`` gains the graph's ``device`` and, where the graph records one, its ``cost_model``
+    (the rates its runtimes come from: :class:`remat_compiler.PlanSpec` re-costs a graph a given
+    plan is applied to with them, so a plan for an H200 applies as it was made)."""
+    facts = {"device": cg.g.graph.get("device", "cpu")}
+    if cg.g.graph.get("traced_on"):
+        facts["traced_on"] = cg.g.graph["traced_on"]
+    if cg.g.graph.get("cost_model") is not None:
+        facts["cost_model"] = dict(cg.g.graph["cost_model"])
+    extras = {**facts, **(extras or {})}
     schedule = build_schedule(cg, saved, rerun)
     sim = simulate(cg, schedule)
     if baseline_peak_bytes is None:

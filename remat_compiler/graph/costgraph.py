@@ -27,7 +27,8 @@ AOTAutograd writes back into the inputs and drops), ``block_container``, ``hold_
 the caller keeps the model's outputs through backward),
 ``device`` (the device type the step runs on), ``traced_on`` (the device type the trace ran on
 where it is not ``device``, else None: a CUDA plan traced on a CPU-only build), ``allocator`` (the
-:mod:`passes.allocator` model ``bytes`` are counted in), ``fingerprint`` (see :meth:`CostGraph.fingerprint`).
+:mod:`passes.allocator` model ``bytes`` are counted in), ``cost_model`` (the fields of the cost
+model the runtimes come from, or None), ``fingerprint`` (see :meth:`CostGraph.fingerprint`).
 """
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ class CostGraph:
         g.graph["device"] = gm.meta.get(keys.DEVICE, "cpu")
         g.graph["traced_on"] = gm.meta.get(keys.TRACED_ON)
         g.graph["allocator"] = gm.meta.get(keys.ALLOCATOR, "exact")
+        g.graph["cost_model"] = gm.meta.get(keys.COST_MODEL)
         cg = cls(g)
         g.graph["fingerprint"] = cg._compute_fingerprint()
         return cg
