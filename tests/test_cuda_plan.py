@@ -171,3 +171,24 @@ def test_fake_cuda_tensors_are_refused_on_a_cpu_only_build():
         model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="built without CUDA"):
         rc.plan_model(model, (x,), {}, None, solver="save_all")
+
+
+def test_gpu_check_dry_run_plans_for_cuda_and_prints_the_table(tmp_path, capsys):
+    """benchmarks/gpu_check.py runs its CPU side here: arguments, models on meta planned for cuda,
+    the table skeleton, and the plan files its GPU run applies; without --dry-run it needs a GPU."""
+    from benchmarks import gpu_check
+
+    out = tmp_path / "table.md"
+    assert gpu_check.main(["--dry-run", "--quick", "--workloads", "gpt2", "--budgets", "1.0",
+                           "--solver", "save_all", "--write-plans", str(tmp_path), "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[2] == gpu_check.HEADER and lines[4].startswith("| gpt2 | remat_compiler | @ 1.0 x no-recompute |")
+    assert "for cuda traced on cpu" in lines[4]
+    plan = Plan.load(tmp_path / "gpt2.quick.1.0.plan.json")
+    assert plan.extras["device"] == "cuda" and plan.peak_bytes % 512 == 0
+    assert plan.extras["cost_model"]["name"] == "h100"
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--quick"])  # no CUDA device here
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--workloads", "bert"])
+    capsys.readouterr()
