@@ -289,7 +289,7 @@ def _inductor_facts(planned: PlannedGraph, budget: Budget):
 
     cg = planned.cg
     return StepFacts(planned.bw, len(cg.fw_outputs), tuple(cg.g.graph.get("input_updates", ())),
-                     cg.hold_outputs, planned.plan.peak_bytes, resolve_budget(cg, budget))
+                     cg.hold_outputs, planned.plan.peak_bytes, resolve_budget(cg, budget), cg.allocator)
 
 
 # One trace at a time in this process: a trace swaps the model's parameters for the trace's tensors
