@@ -115,6 +115,14 @@ def measure_step(run_step, model, steps: int) -> tuple[int, float]:
     return peak, statistics.median(times)
 
 
+SECTION = """## CUDA: predicted peak against `torch.cuda.max_memory_allocated()`, step time against torch.compile
+
+`benchmarks/gpu_check.py` (its docstring says how each number is taken): measured = the most bytes
+`max_memory_allocated()` saw over one step above `memory_allocated()` before it (gradients set to None,
+after a warm-up step); predicted = the plan's peak, in CUDA caching-allocator blocks (512 B); step time =
+the median of the timed steps, with `synchronize`. Transfer rows apply plan files made on a CPU-only
+machine (`--dry-run --write-plans`, kept in `data/cuda_plans/`) with `compile(model, plan=Plan.load(path))`."""
+
 HEADER = ("| workload | strategy | setting | budget (MiB) | measured peak (MiB) | predicted peak (MiB) | "
           "measured - predicted (KiB) | step time (ms) | vs eager | vs torch.compile | plan / compile (s) | "
           "status |")
@@ -257,9 +265,12 @@ def main(argv=None) -> int:
         lines.append(line)
         print(line, flush=True)
 
-    where = "dry run on the CPU (planned for cuda, nothing measured)" if args.dry_run else \
+    where = "Dry run on a CPU-only machine: planned for cuda, nothing measured" if args.dry_run else \
         f"{torch.cuda.get_device_name()}, cost preset {args.device}"
-    emit(f"{where}; torch {torch.__version__}; command: `python -m benchmarks.gpu_check {' '.join(sys.argv[1:])}`")
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    emit(SECTION)
+    emit("")
+    emit(f"{where}; torch {torch.__version__}; command: `python -m benchmarks.gpu_check {command}`.")
     emit("")
     emit(HEADER)
     emit("|" + "---|" * (HEADER.count("|") - 1))

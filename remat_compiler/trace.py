@@ -214,10 +214,14 @@ def trace_device(device) -> tuple[torch.device, str | None]:
     """Where a model on the meta device planned for ``device`` is traced, and the device type it is
     planned for when that differs (else None).
 
-    PyTorch traces fake CUDA tensors only where it is built with CUDA (no GPU needed for the trace
-    itself): autograd records each tensor's stream, and a CPU-only build has no CUDA device guard,
-    so autograd over a fake CUDA tensor aborts the process (``PyTorch is not linked with support for
-    cuda devices``, raised where it cannot be caught). There the trace runs on the CPU and the graph
+    PyTorch traces a training step on fake CUDA tensors only where it is built with CUDA (no GPU
+    needed for the trace itself). On a CPU-only build (2.13 checked) a forward on fake CUDA tensors
+    runs (fake kernels do not touch the device; ``torch.cuda.is_available()`` is False; sdpa's
+    backend choice, ``_fused_sdp_choice``, has no CUDA kernel, so fake mode falls back to the math
+    decomposition, which is not what a GPU runs either), but autograd records each tensor's stream
+    and a CPU-only build has no CUDA device guard: autograd over a fake CUDA tensor that requires
+    grad aborts the process (``PyTorch is not linked with support for cuda devices``, thrown where
+    Python cannot catch it), so no joint graph can be captured. There the trace runs on the CPU and the graph
     is marked as planned for CUDA (``remat.device = "cuda"``, ``remat.traced_on = "cpu"``): its bytes
     are counted as CUDA's caching allocator charges them and the CPU kernels' scalar quirks are not
     calibrated, so the plan is the one the same graph gets on the GPU. The graph is CUDA's wherever
