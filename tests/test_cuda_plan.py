@@ -148,7 +148,7 @@ def test_plan_file_for_cuda_applies_to_the_gpu_graph(cuda_planned, tmp_path):
     for n, p in real.named_parameters():
         torch.testing.assert_close(p.grad, eager[n], rtol=1e-5, atol=1e-6, msg=n)
     # on the CPU's own allocator the same plan's graph is another one: refused, not mis-measured
-    with pytest.raises(PlanMismatchError):
+    with pytest.raises(PlanMismatchError, match="made for cuda .* runs on cpu"):
         rc.compile(llama("cpu"), plan=plan)(**inputs)
 
 
