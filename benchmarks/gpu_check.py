@@ -10,7 +10,9 @@ For each workload (the GPT-2 benchmark config and a small Llama, fp32, eager att
 - **eager** and **torch.compile** (``torch.compile(model)``, Inductor): measured peak and step time;
 - **remat_compiler** at each ``--budgets`` fraction of the no-recompute peak (CP-SAT, the GPU's cost
   preset, ``hold_outputs=False``: the step is ``model(**inputs).loss.backward()``): measured peak
-  against the plan's prediction, and step time;
+  against the plan's prediction, and step time; with ``--inductor`` also ``backend="inductor"``
+  (its walk of Inductor's code was written against CPU wrappers: where it cannot read CUDA's, the
+  row says it ran the eager plan);
 - **transfer**: each plan file in ``--plans`` (written on a CPU-only machine by ``--dry-run
   --write-plans DIR``) applied with ``compile(model, plan=Plan.load(path))``: accepted or refused,
   and measured against its prediction.
@@ -211,13 +213,15 @@ def gpu_run(args, emit) -> None:
             plan_s = time.perf_counter() - t0
             peak, step_s = measure_step(lambda: compiled(**inputs).loss.backward(), model, args.steps)
             plan = compiled.plan
+            ran = compiled.planned.backend  # "eager" where the Inductor backend fell back to it
             emit(row(name, "remat_compiler", setting, plan.budget_bytes, peak, plan.peak_bytes, step_s,
-                     eager_s, ind_s, plan_s, f"{plan.status}, {compiled.planned.source}"))
+                     eager_s, ind_s, plan_s, f"{plan.status}, {compiled.planned.source}, ran {ran}"))
 
         for fraction in args.budgets:
-            planned_rows(f"@ {fraction} x no-recompute", lambda: rc.compile(
-                model, fraction, cost_model=cost_model, hold_outputs=False, solver=args.solver,
-                **_solver_options(args)))
+            for backend in ("eager", "inductor") if args.inductor else ("eager",):
+                planned_rows(f"@ {fraction} x no-recompute" + (", backend inductor" if backend == "inductor" else ""),
+                             lambda: rc.compile(model, fraction, cost_model=cost_model, hold_outputs=False,
+                                                solver=args.solver, backend=backend, **_solver_options(args)))
         if args.plans:
             prefix = f"{name}{'.quick' if args.quick else ''}."
             for file in sorted(f for f in os.listdir(args.plans) if f.startswith(prefix)
@@ -237,6 +241,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per plan")
     p.add_argument("--workers", type=int, default=8, help="CP-SAT workers")
     p.add_argument("--device", default=None, help="cost preset (default: from the GPU's name; h100 in --dry-run)")
+    p.add_argument("--inductor", action="store_true",
+                   help="also remat_compiler's backend='inductor' at each budget (about 1 min of compiling each)")
     p.add_argument("--quick", action="store_true", help="tiny configs (seconds)")
     p.add_argument("--dry-run", action="store_true", help="no GPU: plan for cuda on the CPU, print predictions")
     p.add_argument("--write-plans", default=None, help="with --dry-run: write each plan file here")
