@@ -144,6 +144,14 @@ class Plan:
             f"saved             {len([v for v in self.values if v.decision == 'saved'])} values, "
             f"{human_bytes(self.saved_bytes)}",
         ]
+        if self.extras.get("device", "cpu") != "cpu":
+            traced = self.extras.get("traced_on")
+            rates = (self.extras.get("cost_model") or {}).get("name")
+            head.append(f"device            {self.extras['device']}"
+                        + (f", bytes in {self.extras['allocator']} allocator blocks" if self.extras.get("allocator")
+                           and self.extras["allocator"] != "exact" else "")
+                        + (f", runtimes for {rates}" if rates else "")
+                        + (f" (traced on {traced})" if traced else ""))
         if self.rerun:
             head.append(f"recomputed again  {len(self.rerun)} times: "
                         + ", ".join(f"{v} at backward step {j}" for v, j in self.rerun[:6])
