@@ -176,8 +176,11 @@ def main(argv=None) -> int:
         atomic_write_text(os.path.join(data_dir, f"{name}.json"), json.dumps(result, indent=1) + "\n")
         if name != "scale":
             plot_pareto_measured(result, os.path.join(args.out, f"pareto_{name}.png"))
-        appendix_path = os.path.join(data_dir, "inductor.md")  # the Inductor peers (benchmarks.inductor_peers)
-        appendix = open(appendix_path).read() if os.path.exists(appendix_path) else ""
+        # Markdown measured by other commands: the Inductor peers (benchmarks.inductor_peers) and the
+        # CUDA check (benchmarks.gpu_check, on a GPU machine)
+        appendix = "\n\n".join(open(path).read().strip() for path in
+                               (os.path.join(data_dir, f) for f in ("inductor.md", "gpu_check.md"))
+                               if os.path.exists(path))
         atomic_write_text(os.path.join(args.out, "RESULTS.md"), render_results(load_results(data_dir),
                                                                                appendix=appendix))
         print(f"[{name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

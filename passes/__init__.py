@@ -68,7 +68,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(replayable_dropout),
     Pass(fuse_cross_entropy_backward),
     Pass(annotate_phases, ("num_fwd_outputs",)),
-    Pass(annotate_storage),
+    Pass(annotate_storage, ("cost_model",)),
     Pass(calibrate_scalar_storage),
     Pass(annotate_costs, ("cost_model",)),
     Pass(annotate_blocks),

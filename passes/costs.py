@@ -22,6 +22,7 @@ Writes on every call_function node:
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from passes.c10d import is_c10d, is_collective
-from passes.keys import (COMM_BYTES, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
+from passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
                          RUNTIME_S, STORAGE)
 from passes.rng import is_rng_state
 
@@ -51,6 +52,16 @@ class CostModel:
     memory_capacity_bytes : int or None
         The device's memory, for reports (None: unknown).
     name : str
+    device : str
+        The device type the plan is for when the model holds no data (parameters on the meta
+        device: :func:`remat_compiler.trace.trace` traces them as this device's tensors). A model
+        whose tensors are on a device plans for that device, whatever this says. ``"cpu"``
+        by default, ``"cuda"`` for the accelerator presets (ROCm's MI300X included).
+    allocator : str or None
+        The allocator model bytes are counted in (:mod:`passes.allocator`): None (default) for the
+        step's device's own (CUDA's caching allocator rounds every block up to 512 B), or a name
+        that overrides it (``"cuda_caching"`` on the CPU: a stand-in that plans, and with
+        ``LiveStorageTracker(allocator=...)`` measures, in CUDA's units).
     """
 
     compute_flops_per_s: float = 1.0e11
@@ -58,6 +69,8 @@ class CostModel:
     link_bytes_per_s: float = 2.5e10
     memory_capacity_bytes: int | None = None
     name: str = "cpu"
+    device: str = "cpu"
+    allocator: str | None = None
 
     @classmethod
     def preset(cls, name: str) -> "CostModel":
@@ -83,10 +96,10 @@ _G, _T = 1e9, 1e12
 #: NVIDIA H200 data sheet (SXM: 989 TFLOPS, 4.8 TB/s, 141 GB); NVIDIA A100 data sheet (SXM 80 GB:
 #: 312 TFLOPS, 2.039 TB/s); AMD Instinct MI300X data sheet (1307.4 TFLOPS, 5.3 TB/s, 192 GB).
 DEVICE_PRESETS = {
-    "h100": CostModel(989 * _T, 3.35 * _T, 450 * _G, int(80 * _G), "h100"),
-    "h200": CostModel(989 * _T, 4.8 * _T, 450 * _G, int(141 * _G), "h200"),
-    "a100": CostModel(312 * _T, 2.039 * _T, 300 * _G, int(80 * _G), "a100"),
-    "mi300x": CostModel(1307.4 * _T, 5.3 * _T, 448 * _G, int(192 * _G), "mi300x"),
+    "h100": CostModel(989 * _T, 3.35 * _T, 450 * _G, int(80 * _G), "h100", "cuda"),
+    "h200": CostModel(989 * _T, 4.8 * _T, 450 * _G, int(141 * _G), "h200", "cuda"),
+    "a100": CostModel(312 * _T, 2.039 * _T, 300 * _G, int(80 * _G), "a100", "cuda"),
+    "mi300x": CostModel(1307.4 * _T, 5.3 * _T, 448 * _G, int(192 * _G), "mi300x", "cuda"),
 }
 
 
@@ -171,7 +184,10 @@ def _never_recompute(node: fx.Node) -> str | None:
 
 
 def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
-    """Annotate FLOPs, communication bytes, runtime and recompute flags on every node of ``gm``."""
+    """Annotate FLOPs, communication bytes, runtime and recompute flags on every node of ``gm``, and
+    record the cost model's fields in ``gm.meta["remat.cost_model"]`` (a plan carries them, so a
+    plan applied on another machine is re-costed with the rates it was made with)."""
+    gm.meta[COST_MODEL] = dataclasses.asdict(cost_model) if dataclasses.is_dataclass(cost_model) else None
     for n in gm.graph.nodes:
         if n.op != "call_function":
             n.meta[FLOPS], n.meta[RUNTIME_S], n.meta[COMM_BYTES], n.meta[NEVER_RECOMPUTE] = 0, 0.0, 0, False

@@ -20,7 +20,8 @@ __all__ = [
     "PHASE", "STORAGE", "BYTES", "REAL_BYTES", "TUPLE", "FLOPS", "RUNTIME_S", "COMM_BYTES", "NEVER_RECOMPUTE", "REASON",
     "RECOMPUTE_UNREAD", "MODULE", "BLOCK", "MOE", "MUTATED_INPUT",
     # gm.meta
-    "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS",
+    "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS", "DEVICE", "TRACED_ON", "ALLOCATOR",
+    "COST_MODEL",
     # node.meta["custom"]
     "TRACE_MODULE", "TRACE_MODULE_CLASS",
 ]
@@ -69,6 +70,16 @@ INPUT_UPDATES = "remat.input_updates"
 BLOCK_CONTAINER = "remat.block_container"
 #: Whether the caller keeps the model's outputs through backward        (remat_compiler.trace)
 HOLD_OUTPUTS = "remat.hold_outputs"
+#: The device type the step runs on ("cpu", "cuda"): the traced tensors', or the one a model on the
+#: meta device is planned for                                           (remat_compiler.trace)
+DEVICE = "remat.device"
+#: The device type the trace ran its tensors on, where it is not DEVICE (a CUDA plan traced on a
+#: CPU-only build of PyTorch: "cpu"); absent otherwise                  (remat_compiler.trace)
+TRACED_ON = "remat.traced_on"
+#: Name of the allocator model the bytes are counted in (passes.allocator)             (passes.storage)
+ALLOCATOR = "remat.allocator"
+#: The cost model's fields (a dict) the runtimes were estimated with                    (passes.costs)
+COST_MODEL = "remat.cost_model"
 
 # ---------------------------------------------------------------- node.meta["custom"]  (writer)
 #: Dotted path of the innermost module running when the node was traced   (remat_compiler.trace)

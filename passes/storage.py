@@ -8,6 +8,13 @@ live until its last ``getitem`` is read; an output its op's ``output_mask`` argu
 allocated at all, see :func:`masked_outputs`). Aliasing is read from the FakeTensors' storage identity, so every view op,
 ``detach`` and ``_unsafe_view`` is handled without a list of op names.
 
+Bytes are counted in the step's allocator's units (:mod:`passes.allocator`), which the pass records
+in ``gm.meta["remat.allocator"]``: the cost model's ``allocator`` if it names one, else the one of
+the device the step runs on (``gm.meta["remat.device"]``, written by the trace; without it, the
+device of the graph's tensor inputs): on CUDA every storage is charged its caching allocator block,
+a multiple of 512 B, so the plan's budget and peak are in ``torch.cuda.max_memory_allocated()``'s
+units.
+
 A FakeTensor's storage is exactly what its shape needs; a real kernel may allocate more. Scalar
 results are where that happens (CPU ``mse_loss`` returns its 4-byte loss as a view into a buffer the
 size of its input, which stays alive with the loss), so :func:`calibrate_scalar_storage` runs every op
@@ -22,10 +29,12 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes.allocator import AllocatorModel, allocator_for, allocator_named
 from passes.c10d import is_wait
-from passes.keys import BYTES, REAL_BYTES, STORAGE, TUPLE
+from passes.keys import ALLOCATOR, BYTES, DEVICE, REAL_BYTES, STORAGE, TUPLE
 
-__all__ = ["annotate_storage", "calibrate_scalar_storage", "masked_outputs", "storage_bytes", "strided_span_bytes"]
+__all__ = ["annotate_storage", "calibrate_scalar_storage", "masked_outputs", "storage_bytes", "strided_span_bytes",
+           "step_device", "step_allocator"]
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -40,6 +49,31 @@ def strided_span_bytes(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def step_device(gm: fx.GraphModule) -> str:
+    """The device type the step runs on: ``gm.meta["remat.device"]`` if the trace wrote it, else the
+    first non-CPU device among the graph's tensor inputs, else ``"cpu"``."""
+    if DEVICE in gm.meta:
+        return gm.meta[DEVICE]
+    for p in gm.graph.find_nodes(op="placeholder"):
+        val = p.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type not in ("cpu", "meta"):
+            return val.device.type
+    return "cpu"
+
+
+def step_allocator(gm: fx.GraphModule, cost_model=None) -> AllocatorModel:
+    """The allocator the step's bytes are counted in: the cost model's ``allocator`` if it names one,
+    else the step's device's (:func:`step_device`).
+
+    Raises
+    ------
+    ValueError
+        If the cost model names an unknown allocator.
+    """
+    name = getattr(cost_model, "allocator", None)
+    return allocator_named(name) if name else allocator_for(step_device(gm))
 
 
 def _is_tangent(n: fx.Node) -> bool:
@@ -70,8 +104,12 @@ def masked_outputs(n: fx.Node) -> set[int]:
     return set()
 
 
-def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
-    """Annotate storage ownership and allocated bytes on every node of ``gm``."""
+def annotate_storage(gm: fx.GraphModule, cost_model=None) -> fx.GraphModule:
+    """Annotate storage ownership and allocated bytes on every node of ``gm``, in the allocator's
+    units (:func:`step_allocator` of ``cost_model``), and record the allocator's name."""
+    allocator = step_allocator(gm, cost_model)
+    gm.meta[ALLOCATOR] = allocator.name
+    charged = allocator.charged_bytes
     owner: dict[StorageWeakRef, str] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
@@ -88,7 +126,7 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
             else:
                 owner[key] = n.name
                 nbytes = strided_span_bytes(val) if _is_tangent(n) else storage_bytes(val)
-                n.meta[STORAGE], n.meta[BYTES] = n.name, nbytes
+                n.meta[STORAGE], n.meta[BYTES] = n.name, charged(nbytes)
         elif n.meta[TUPLE]:
             # outputs no getitem takes (e.g. nll_loss's total_weight) live in the tuple until its
             # last getitem is read; they belong to the multi-output node itself
@@ -102,7 +140,7 @@ def annotate_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 key = StorageWeakRef(t.untyped_storage())
                 if key not in owner:
                     owner[key] = n.name
-                    loose += storage_bytes(t)
+                    loose += charged(storage_bytes(t))
             n.meta[STORAGE], n.meta[BYTES] = (n.name, loose) if loose else (None, 0)
         else:
             n.meta[STORAGE], n.meta[BYTES] = None, 0
@@ -125,7 +163,10 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
     zero-filled real inputs of its traced shapes (each input briefly allocated); random, mutating
     and collective ops are skipped, and so is an op the zero inputs make fail (its traced bytes stay).
     The measured bytes are also written alone as ``meta["remat.real_bytes"]``, a fact about the real
-    kernel that a reader of the FakeTensors (:mod:`remat_compiler.emitted`) cannot derive.
+    kernel that a reader of the FakeTensors (:mod:`remat_compiler.emitted`) cannot derive; in
+    ``remat.bytes`` it is charged as the step's allocator charges it. A step that runs on another
+    device (``gm.meta["remat.device"]``: a CUDA plan traced on the CPU) is left as traced: its real
+    kernels are not the CPU's.
 
     An op fails by raising ``RuntimeError``: torch's error when a kernel's argument checks reject
     its inputs (a linear-algebra error on a singular zero matrix is one), when the zero inputs
@@ -134,6 +175,9 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if step_device(gm) != "cpu":
+        return gm
+    charged = allocator_named(gm.meta[ALLOCATOR]).charged_bytes if ALLOCATOR in gm.meta else int
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() != 0 \
@@ -156,5 +200,5 @@ def calibrate_scalar_storage(gm: fx.GraphModule) -> fx.GraphModule:
                 continue
             if isinstance(out, torch.Tensor):
                 n.meta[REAL_BYTES] = storage_bytes(out)
-                n.meta[BYTES] = max(n.meta[BYTES], n.meta[REAL_BYTES])
+                n.meta[BYTES] = max(n.meta[BYTES], charged(n.meta[REAL_BYTES]))
     return gm

@@ -62,7 +62,8 @@ class PlanSpec:
         Hard decisions for a solver that accepts a policy.
     cost_model : passes.CostModel, optional
     plan : Plan, optional
-        Apply this plan instead of solving.
+        Apply this plan instead of solving; without a ``cost_model``, the graph is costed with the
+        one the plan was made with (``plan.extras["cost_model"]``).
     plan_cache : PlanCache, optional
         Look the plan up here before solving, and store what is solved
         (:mod:`remat_compiler.plan_cache`).
@@ -100,6 +101,8 @@ class PlanSpec:
         elif plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan= takes a Plan or the JSON text Plan.to_json writes, got "
                              f"{type(plan).__name__}")
+        if plan is not None and cost_model is None and isinstance(plan.extras.get("cost_model"), dict):
+            cost_model = CostModel(**plan.extras["cost_model"])  # re-cost with the rates it was made with
         if plan is not None and plan_cache is not None:
             raise ValueError("plan= applies a given plan and plan_cache= looks plans up: pass one of them")
         if plan_cache is not None and not isinstance(plan_cache, PlanCache):
@@ -196,18 +199,19 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             cost_model: CostModel | None = None, solver="cpsat",
-            hold_outputs: bool = True) -> tuple[fx.GraphModule, CostGraph]:
-    """Trace a model's step as ``solver`` traces it and annotate it (``hold_outputs``: see
-    :func:`compile`): the graph and cost graph a plan is made for."""
+            hold_outputs: bool = True, device=None) -> tuple[fx.GraphModule, CostGraph]:
+    """Trace a model's step as ``solver`` traces it and annotate it (``hold_outputs``, ``device``:
+    see :func:`plan_model`): the graph and cost graph a plan is made for."""
     with get_solver(solver).prepared(model):
-        traced = trace(model, args, kwargs, hold_outputs=hold_outputs)
+        traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
     return annotate(traced.joint, traced.num_fwd_outputs, cost_model)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, memory_budget=None, *,
                solver: str | Callable[..., Plan] | Strategy = "cpsat", cost_model: CostModel | None = None,
                hold_outputs: bool = True, policy: Policy | None = None, plan: Plan | str | None = None,
-               plan_cache: PlanCache | str | os.PathLike | None = None, **solver_options) -> PlannedGraph:
+               plan_cache: PlanCache | str | os.PathLike | None = None, device=None,
+               **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
@@ -217,6 +221,14 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         inputs may be on the meta device, and the plan is the one real CPU tensors give).
     memory_budget, solver, cost_model, hold_outputs, policy, plan, plan_cache, **solver_options :
         As :func:`compile` takes them.
+    device : str or torch.device, optional
+        The device a model on the meta device is planned for (default: ``cost_model.device``, the
+        CPU without a cost model; ``CostModel.preset("h100")`` plans for ``"cuda"``). On CUDA the
+        bytes are those ``torch.cuda.max_memory_allocated()`` counts (:mod:`passes.allocator`).
+        On a build of PyTorch without CUDA the step is traced on the CPU and planned for CUDA:
+        ``plan.save(path)`` here, then ``compile(model.cuda(), plan=Plan.load(path))`` on the GPU
+        accepts it wherever the graph does not depend on the device
+        (:func:`remat_compiler.trace.trace_device` says where it does).
 
     Returns
     -------
@@ -230,10 +242,17 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
                          plan=plan, plan_cache=plan_cache)
     spent: dict[str, float] = {}
     with _timed(spent, "trace"), spec.strategy.prepared(model):
-        traced = trace(model, args, kwargs, hold_outputs=hold_outputs)
+        traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
     planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
     planned.timings = {**spent, **planned.timings}
     return planned
+
+
+def _plans_for(device, cost_model: CostModel | None):
+    """The device a data-less model is planned for: ``device``, else the cost model's, else None."""
+    if device is not None:
+        return device
+    return cost_model.device if cost_model is not None else None
 
 
 @contextlib.contextmanager
@@ -270,7 +289,7 @@ def _inductor_facts(planned: PlannedGraph, budget: Budget):
 
     cg = planned.cg
     return StepFacts(planned.bw, len(cg.fw_outputs), tuple(cg.g.graph.get("input_updates", ())),
-                     cg.hold_outputs, planned.plan.peak_bytes, resolve_budget(cg, budget))
+                     cg.hold_outputs, planned.plan.peak_bytes, resolve_budget(cg, budget), cg.allocator)
 
 
 # One trace at a time in this process: a trace swaps the model's parameters for the trace's tensors

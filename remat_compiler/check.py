@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from remat_compiler.graph import CostGraph
+from passes.allocator import allocator_named
 from remat_compiler.emitted import EmittedPeak, emitted_peak
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -63,7 +64,8 @@ def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGr
     The two GraphModules are walked in their emitted order with reference counts on their FakeTensor
     storages (:func:`remat_compiler.emitted.emitted_peak`); neither the schedule nor the simulator
     is consulted. From ``cg`` only graph-level facts are read: how many forward outputs are the
-    user's, which are updated inputs, and whether the caller holds its outputs.
+    user's, which are updated inputs, whether the caller holds its outputs, and the allocator that
+    charges each storage (:mod:`passes.allocator`).
 
     Parameters
     ----------
@@ -88,7 +90,8 @@ def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGr
     >>> fw, bw = emit(gm, plan); check_emitted(fw, bw, plan, cg).peak_bytes   # doctest: +SKIP
     """
     walked = emitted_peak(fw, bw, num_fwd_outputs=len(cg.fw_outputs),
-                          input_updates=cg.g.graph.get("input_updates", ()), hold_outputs=cg.hold_outputs)
+                          input_updates=cg.g.graph.get("input_updates", ()), hold_outputs=cg.hold_outputs,
+                          allocator=allocator_named(cg.allocator))
     if walked.peak_bytes == plan.peak_bytes:
         return walked
     if walked.peak_bytes > plan.peak_bytes:

@@ -101,8 +101,11 @@ dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default=
                                  "config's dtype field if it is one of these, else float32.")
 device_option = click.option(
     "--device", type=click.Choice(sorted(DEVICE_PRESETS)), default=None,
-    help="Estimate runtimes for this accelerator (vendor bf16 rate and bandwidth) instead of this "
-         "machine's CPU: it changes what recomputing costs, hence the plan.")
+    help="Plan for this accelerator: runtimes from its vendor bf16 rate and bandwidth instead of this "
+         "machine's CPU (it changes what recomputing costs, hence the plan), and a model built on the "
+         "meta device (--hf-config, or a factory that builds on meta) is planned for CUDA, in the units "
+         "of torch.cuda.max_memory_allocated() (512-byte allocator blocks). The plan file it writes is "
+         "applied on the GPU with compile(model.cuda(), plan=Plan.load(path)).")
 
 
 def model_source(command):

@@ -25,7 +25,8 @@ of their strides: AOTAutograd makes them with ``empty_strided``); the caller's o
 ones unless ``hold_outputs``), the gradients backward returns and the gradient seeds (a scalar
 output's tangent, else every tangent) stay live to the end. Storage bytes are the FakeTensor
 storage's, except for a scalar CPU result whose real kernel's storage
-:func:`passes.storage.calibrate_scalar_storage` measured (``meta["remat.real_bytes"]``).
+:func:`passes.storage.calibrate_scalar_storage` measured (``meta["remat.real_bytes"]``), each charged
+as the step's allocator charges it (``allocator``: on CUDA, whole 512-byte blocks).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes.allocator import EXACT, AllocatorModel
 from passes.c10d import is_wait
 from passes.keys import REAL_BYTES
 from passes.storage import storage_bytes, strided_span_bytes, masked_outputs
@@ -124,7 +126,8 @@ def _returned(n: fx.Node, val) -> list:
 class _Walk:
     """The state of one walk over the forward and then the backward."""
 
-    def __init__(self):
+    def __init__(self, allocator: AllocatorModel = EXACT):
+        self.charged = allocator.charged_bytes
         self.mem = _Memory()
         self.resident: set[StorageWeakRef] = set()
         self.result = EmittedPeak()
@@ -143,7 +146,7 @@ class _Walk:
         nbytes = storage_bytes(t)
         if t.dim() == 0 and REAL_BYTES in n.meta:
             nbytes = max(nbytes, int(n.meta[REAL_BYTES]))
-        return key, self.mem.alloc(nbytes)
+        return key, self.mem.alloc(self.charged(nbytes))
 
     def outputs(self, n: fx.Node, values: dict[fx.Node, list]) -> list[_Slot | None]:
         """The slots of what ``n`` returns, allocating its new storages."""
@@ -210,7 +213,7 @@ def held_positions(fw: fx.GraphModule, num_fwd_outputs: int, input_updates,
 
 
 def emitted_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int, input_updates=(),
-                 hold_outputs: bool = True) -> EmittedPeak:
+                 hold_outputs: bool = True, allocator: AllocatorModel = EXACT) -> EmittedPeak:
     """Walk the emitted forward, then the backward, and return their live storage bytes node by node.
 
     Parameters
@@ -223,6 +226,8 @@ def emitted_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int
         Positions among those of new values of inputs mutated in place (the caller never holds them).
     hold_outputs : bool
         Whether the caller keeps its outputs through backward (else only its scalar ones).
+    allocator : passes.allocator.AllocatorModel
+        What each new storage is charged (the cost graph's ``allocator``; exact by default).
 
     Returns
     -------
@@ -240,7 +245,7 @@ def emitted_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int
     >>> emitted_peak(fw, bw, num_fwd_outputs=1).peak_bytes == plan.peak_bytes    # doctest: +SKIP
     True
     """
-    walk = _Walk()
+    walk = _Walk(allocator)
     fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
     walk.resident.update(_key(p.meta["val"]) for p in fw_inputs if isinstance(p.meta.get("val"), torch.Tensor))
     fw_outs = walk.run(fw, "forward", {p.name: [(_key(p.meta["val"]), None)]
@@ -263,7 +268,7 @@ def emitted_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int
     scalar = [p for p in tangents if isinstance(p.meta.get("val"), torch.Tensor) and p.meta["val"].dim() == 0]
     for p in tangents:
         val = p.meta.get("val")
-        bound[p.name] = [(_key(val), walk.mem.alloc(strided_span_bytes(val)))] \
+        bound[p.name] = [(_key(val), walk.mem.alloc(walk.charged(strided_span_bytes(val))))] \
             if isinstance(val, torch.Tensor) else []
         walk.mem.acquire(bound[p.name])
     for p in scalar or tangents:

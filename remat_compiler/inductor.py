@@ -210,7 +210,8 @@ def _span_bytes(sizes: str, strides: str, dtype: str) -> int:
 class _Storages:
     """Storages with reference counts (names in a frame, and holds), and the bytes of the live ones."""
 
-    def __init__(self, peak: EmittedPeak):
+    def __init__(self, peak: EmittedPeak, charged=int):
+        self.charged = charged  # what the allocator charges a buffer of n bytes
         self.bytes: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.live_bytes = 0
@@ -218,7 +219,7 @@ class _Storages:
 
     def new(self, nbytes: int) -> int:
         sid = len(self.bytes)
-        self.bytes[sid], self.refs[sid] = int(nbytes), 0
+        self.bytes[sid], self.refs[sid] = self.charged(nbytes), 0
         return sid
 
     def acquire(self, sid: int | None) -> None:
@@ -318,7 +319,8 @@ def _buffer_bytes(graph: InductorGraph, name: str, tag: str) -> int:
 
 
 def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *,
-                  num_fwd_outputs: int, input_updates=(), hold_outputs: bool = True) -> EmittedPeak:
+                  num_fwd_outputs: int, input_updates=(), hold_outputs: bool = True,
+                  allocator: str = "exact") -> EmittedPeak:
     """Walk Inductor's forward, then its backward, and return their live bytes statement by statement.
 
     Parameters
@@ -327,6 +329,8 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
         What :func:`compile_graph` made of the plan's forward ``fw_gm`` and backward ``bw_gm``.
     num_fwd_outputs, input_updates, hold_outputs :
         As for :func:`remat_compiler.emitted.emitted_peak`: the step's accounting is the same.
+    allocator : str
+        The :mod:`passes.allocator` model each buffer is charged by (the cost graph's).
 
     Returns
     -------
@@ -339,8 +343,10 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
         If a line of either wrapper is not one the walk understands (the backend then does not
         trust the prediction).
     """
+    from passes.allocator import allocator_named
+
     peak = EmittedPeak()
-    mem = _Storages(peak)
+    mem = _Storages(peak, allocator_named(allocator).charged_bytes)
     fw_inputs = list(fw_gm.graph.find_nodes(op="placeholder"))
     outs = _walk(fw, "forward", mem, [_RESIDENT] * len(fw_inputs))
     for i in held_positions(fw_gm, num_fwd_outputs, input_updates, hold_outputs):
@@ -374,6 +380,7 @@ class StepFacts:
     hold_outputs: bool
     plan_peak_bytes: int
     limit_bytes: int | None     # the budget (None: no limit; the walk still gives the prediction)
+    allocator: str = "exact"    # the passes.allocator model the plan's bytes are counted in
 
 
 class InductorCompilers:
@@ -406,7 +413,8 @@ class InductorCompilers:
         self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
         self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True)
         self.peak = compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
-                                  input_updates=facts.input_updates, hold_outputs=facts.hold_outputs)
+                                  input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,
+                                  allocator=facts.allocator)
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         return self.fw

@@ -4,7 +4,10 @@
 storage with its inputs are new allocations; a weak reference on each storage tells when it is freed.
 The peak is the largest sum of live new storage bytes, i.e. the step's peak above what was resident
 before it (parameters, inputs and optimizer state are not counted, parameter gradients created in
-backward are). Allocator caching and kernel workspaces are not storages and are not counted.
+backward are). Allocator caching and kernel workspaces are not storages and are not counted. With
+``allocator=passes.allocator.CUDA_CACHING`` each storage counts the 512-byte blocks CUDA's caching
+allocator charges it: on the CPU, a stand-in for ``torch.cuda.max_memory_allocated()`` that measures
+in the units a CUDA plan predicts.
 
 :class:`ResidentPeak` sees what the dispatcher does not (Inductor's generated code allocates its
 buffers itself): the growth of the process's resident set over a block, from the kernel's high-water
@@ -47,7 +50,8 @@ class LiveStorageTracker(TorchDispatchMode):
     Attributes
     ----------
     current_bytes, peak_bytes : int
-        Live new-storage bytes now, and the most at any time.
+        Live new-storage bytes now, and the most at any time, each storage charged as
+        ``allocator`` charges it (default: its bytes).
     timeline : list[int]
         ``current_bytes`` after every op (for pictures).
 
@@ -58,8 +62,9 @@ class LiveStorageTracker(TorchDispatchMode):
     >>> mem.peak_bytes  # doctest: +SKIP
     """
 
-    def __init__(self, record_timeline: bool = False):
+    def __init__(self, record_timeline: bool = False, allocator=None):
         super().__init__()
+        self._charged = allocator.charged_bytes if allocator is not None else int
         self.current_bytes = 0
         self.peak_bytes = 0
         self.timeline: list[int] = [] if record_timeline else None
@@ -77,8 +82,8 @@ class LiveStorageTracker(TorchDispatchMode):
         key = st._cdata
         if key in self._live:
             return
-        self._live[key] = st.nbytes()
-        self.current_bytes += st.nbytes()
+        self._live[key] = self._charged(st.nbytes())
+        self.current_bytes += self._live[key]
         weakref.finalize(st, self._free, key)
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
@@ -95,7 +100,7 @@ class LiveStorageTracker(TorchDispatchMode):
             key = st._cdata
             if key in inputs or key in self._live:
                 continue
-            nbytes = st.nbytes()
+            nbytes = self._charged(st.nbytes())
             self._live[key] = nbytes
             self.current_bytes += nbytes
             weakref.finalize(st, self._free, key)

@@ -144,6 +144,14 @@ class Plan:
             f"saved             {len([v for v in self.values if v.decision == 'saved'])} values, "
             f"{human_bytes(self.saved_bytes)}",
         ]
+        if self.extras.get("device", "cpu") != "cpu":
+            traced = self.extras.get("traced_on")
+            rates = (self.extras.get("cost_model") or {}).get("name")
+            head.append(f"device            {self.extras['device']}"
+                        + (f", bytes in {self.extras['allocator']} allocator blocks" if self.extras.get("allocator")
+                           and self.extras["allocator"] != "exact" else "")
+                        + (f", runtimes for {rates}" if rates else "")
+                        + (f" (traced on {traced})" if traced else ""))
         if self.rerun:
             head.append(f"recomputed again  {len(self.rerun)} times: "
                         + ", ".join(f"{v} at backward step {j}" for v, j in self.rerun[:6])
@@ -214,6 +222,13 @@ class Plan:
     def check_applies_to(self, cg: CostGraph) -> None:
         """Raise PlanMismatchError unless this plan was made for ``cg``'s graph."""
         if self.fingerprint != cg.fingerprint:
+            made_for = (self.extras.get("device"), self.extras.get("allocator"))
+            runs_on = (cg.g.graph.get("device", "cpu"), cg.allocator)
+            if made_for[1] is not None and made_for != runs_on:
+                raise PlanMismatchError(
+                    f"this plan was made for {made_for[0]} (bytes as the {made_for[1]} allocator charges "
+                    f"them), but the model runs on {runs_on[0]} ({runs_on[1]}): re-plan for this device "
+                    f"(plan_model(..., device={runs_on[0]!r}), or a cost_model preset for it)")
             raise PlanMismatchError(
                 f"this plan was made for graph {self.fingerprint}, but the model traces to graph "
                 f"{cg.fingerprint}: a plan applies only to the same model, input shapes and dtypes; "
@@ -245,7 +260,17 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
               gap: float = 0.0, solve_time_s: float = 0.0, model_peak_bytes: int | None = None,
               min_feasible_bytes: int | None = None, baseline_peak_bytes: int | None = None,
               extras: dict | None = None, rerun=()) -> Plan:
-    """Build a Plan from a saved set (and reruns): derive the schedule and simulate its memory and cost."""
+    """Build a Plan from a saved set (and reruns): derive the schedule and simulate its memory and cost.
+
+    ``extras`` gains the graph's ``device`` and, where the graph records one, its ``cost_model``
+    (the rates its runtimes come from: :class:`remat_compiler.PlanSpec` re-costs a graph a given
+    plan is applied to with them, so a plan for an H200 applies as it was made)."""
+    facts = {"device": cg.g.graph.get("device", "cpu"), "allocator": cg.allocator}
+    if cg.g.graph.get("traced_on"):
+        facts["traced_on"] = cg.g.graph["traced_on"]
+    if cg.g.graph.get("cost_model") is not None:
+        facts["cost_model"] = dict(cg.g.graph["cost_model"])
+    extras = {**facts, **(extras or {})}
     schedule = build_schedule(cg, saved, rerun)
     sim = simulate(cg, schedule)
     if baseline_peak_bytes is None:

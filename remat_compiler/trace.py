@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from passes import keys
 from remat_compiler.errors import UntraceableModelError
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint",
-           "without_data", "tensors_for_planning", "META_PLANS_FOR"]
+           "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device", "DeviceTraceWarning"]
 
 MODULE_KEY = keys.TRACE_MODULE
 MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
@@ -61,6 +62,7 @@ class StepFunction:
     loss_only_reason: str | None = None  # why only the loss is differentiated (None: every output)
     no_grad_positions: list[int] = field(default_factory=list)  # outputs returned without a gradient
     mutated_positions: set[int] = field(default_factory=set)  # flat inputs the step mutates in place
+    plans_for: str | None = None  # the device type planned for, where the trace ran on another one
 
     @property
     def num_state(self) -> int:
@@ -137,8 +139,17 @@ def annotate_joint(joint: fx.GraphModule, step: StepFunction) -> fx.GraphModule:
     (the input's name) on the placeholders of the inputs the step mutates in place (a buffer's
     ``add_``, training-mode BatchNorm's running statistics): their value in backward is not the
     forward's, so nothing that reads them may be recomputed there (:mod:`passes.costs`).
+    ``gm.meta["remat.device"]``: the device type the step runs on (the traced tensors', or
+    ``step.plans_for`` when the trace ran on the CPU in place of CUDA, then also
+    ``gm.meta["remat.traced_on"] = "cpu"``).
     """
+    from passes.storage import step_device
+
     joint.meta[HOLD_OUTPUTS_KEY] = step.hold_outputs
+    traced_on = step_device(joint)
+    joint.meta[keys.DEVICE] = step.plans_for or traced_on
+    if step.plans_for is not None and step.plans_for != traced_on:
+        joint.meta[keys.TRACED_ON] = traced_on
     primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
     for i, n in enumerate(primals):
         if i in step.mutated_positions:
@@ -194,7 +205,58 @@ def without_data(t) -> bool:
     return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
 
 
-def tensors_for_planning(tensors: list) -> list:
+class DeviceTraceWarning(UserWarning):
+    """A plan for CUDA was traced on the CPU and its graph has CPU-only kernels: it will not apply
+    to the graph the GPU traces (see :func:`trace_device`)."""
+
+
+def trace_device(device) -> tuple[torch.device, str | None]:
+    """Where a model on the meta device planned for ``device`` is traced, and the device type it is
+    planned for when that differs (else None).
+
+    PyTorch traces a training step on fake CUDA tensors only where it is built with CUDA (no GPU
+    needed for the trace itself). On a CPU-only build (2.13 checked) a forward on fake CUDA tensors
+    runs (fake kernels do not touch the device; ``torch.cuda.is_available()`` is False; sdpa's
+    backend choice, ``_fused_sdp_choice``, has no CUDA kernel, so fake mode falls back to the math
+    decomposition, which is not what a GPU runs either), but autograd records each tensor's stream
+    and a CPU-only build has no CUDA device guard: autograd over a fake CUDA tensor that requires
+    grad aborts the process (``PyTorch is not linked with support for cuda devices``, thrown where
+    Python cannot catch it), so no joint graph can be captured. There the trace runs on the CPU and the graph
+    is marked as planned for CUDA (``remat.device = "cuda"``, ``remat.traced_on = "cpu"``): its bytes
+    are counted as CUDA's caching allocator charges them and the CPU kernels' scalar quirks are not
+    calibrated, so the plan is the one the same graph gets on the GPU. The graph is CUDA's wherever
+    the aten ops do not depend on the device, which holds for matmuls, norms, pointwise ops, losses,
+    embeddings and dropout (``native_dropout`` on both). It does not hold where the dispatcher
+    picks a kernel per device: ``scaled_dot_product_attention`` runs
+    ``_scaled_dot_product_flash_attention_for_cpu`` (or the math path) here and CUDA's flash,
+    memory-efficient or cuDNN kernel there (chosen from the GPU's architecture, dtype and mask, with
+    its own outputs and Philox seed/offset for dropout). Such a graph is reported with a
+    :class:`DeviceTraceWarning`; on the GPU its plan is refused with PlanMismatchError (a different
+    fingerprint), so plan it on the GPU machine, or build the model with eager attention
+    (``attn_implementation="eager"``), whose graph is the same on both.
+    """
+    device = torch.device(device if device is not None else META_PLANS_FOR)
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        return torch.device("cpu"), "cuda"
+    return device, None
+
+
+#: Substrings of aten op names that only the CPU dispatches to (CUDA picks its own kernel there).
+_CPU_ONLY_OPS = ("_for_cpu", "mkldnn", "_cpu_")
+
+
+def _warn_cpu_only_ops(joint: fx.GraphModule, plans_for: str) -> None:
+    ops = sorted({str(n.target) for n in joint.graph.nodes if n.op == "call_function"
+                  and any(m in str(n.target) for m in _CPU_ONLY_OPS)})
+    if ops:
+        warnings.warn(
+            f"this plan for {plans_for} was traced on the CPU (this PyTorch is built without CUDA), and its "
+            f"graph calls {', '.join(ops)}, which {plans_for} replaces by its own kernels: the GPU will "
+            f"trace a different graph and refuse the plan. Plan on the GPU machine, or build the model "
+            f"with eager attention (attn_implementation='eager')", DeviceTraceWarning, stacklevel=4)
+
+
+def tensors_for_planning(tensors: list, device=None) -> list:
     """The tensors a trace runs on: unchanged if all hold data; otherwise FakeTensors of one mode.
 
     Planning needs shapes, dtypes and the graph, not values, so parameters, buffers and inputs may
@@ -202,18 +264,19 @@ def tensors_for_planning(tensors: list) -> list:
     meta gives a graph that differs from the real one where the model makes tensors itself
     (``torch.tensor(..., device="meta")`` bypasses fake mode, so HuggingFace's ``DynamicCache``
     concatenates a real meta tensor with a fake one and the trace fails). So each meta tensor
-    becomes a FakeTensor on :data:`META_PLANS_FOR` (the CPU, the default cost model's device) that
-    wraps it: views of one meta storage stay views of one fake storage, so the storage structure
+    becomes a FakeTensor on ``device`` (default :data:`META_PLANS_FOR`, the CPU) that wraps it: views of one meta storage stay views of one fake storage, so the storage structure
     (:mod:`passes.storage`) is the one real CPU tensors give, and the graph, its fingerprint, its
     costs (:func:`passes.calibrate_scalar_storage` runs the CPU kernels on zeros, as for a CPU
     model) and the plan are those of the same model with real CPU weights. Real tensors become
     fakes of the same mode (one trace cannot mix modes), and FakeTensors the caller made are kept
-    with their own mode and device (a fake CUDA model plans for CUDA).
+    with their own mode and device (a fake CUDA model plans for CUDA). For another ``device`` than
+    the CPU, real CPU tensors (example inputs) become FakeTensors on ``device`` too.
 
     Raises
     ------
     ValueError
-        If the FakeTensors come from more than one FakeTensorMode.
+        If the FakeTensors come from more than one FakeTensorMode, or are CUDA FakeTensors on a
+        build of PyTorch without CUDA.
     """
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -223,14 +286,21 @@ def tensors_for_planning(tensors: list) -> list:
     if len(modes) > 1:
         raise ValueError("the model's tensors and the inputs are FakeTensors of different FakeTensorModes: "
                          "make them under one mode (or on the meta device)")
+    if not torch.backends.cuda.is_built() and any(isinstance(t, FakeTensor) and t.device.type == "cuda"
+                                                  for t in tensors):
+        raise ValueError("FakeTensors on cuda cannot be traced by this PyTorch, which is built without CUDA "
+                         "(autograd aborts the process on them): build the model on the meta device and "
+                         "plan with device='cuda' (or a GPU preset: cost_model=CostModel.preset('h100')), "
+                         "which traces on the CPU and plans for CUDA")
     mode = next(iter(modes.values())) if modes else FakeTensorMode()
+    device = torch.device(device if device is not None else META_PLANS_FOR)
     out = []
     for t in tensors:
         if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
             out.append(t)
             continue
-        if t.device.type == "meta":
-            fake = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), META_PLANS_FOR)
+        if t.device.type == "meta" or (t.device.type == "cpu" and device.type != "cpu"):
+            fake = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach().to("meta"), device)
         else:
             fake = mode.from_tensor(t.detach(), static_shapes=True)
         out.append(fake.requires_grad_(t.requires_grad) if t.requires_grad else fake)
@@ -390,8 +460,8 @@ def _describe_trace_failure(exc: Exception) -> str:
             f"activations, no Python branching on tensor values) or run it outside the compiled module.")
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, hold_outputs: bool = True
-          ) -> TracedStep:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, hold_outputs: bool = True,
+          device=None) -> TracedStep:
     """Capture the joint forward+backward aten graph of ``model(*args, **kwargs)``.
 
     Parameters
@@ -405,6 +475,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, ho
     hold_outputs : bool
         Whether the caller keeps the outputs through backward (see :func:`remat_compiler.compile`);
         recorded in the graph's meta.
+    device : str or torch.device, optional
+        The device a model whose tensors hold no data (meta) is planned for (default: the CPU); a
+        model with data on a device plans for that one. ``"cuda"`` traces fake CUDA tensors where
+        PyTorch is built with CUDA, and on a CPU-only build traces on the CPU and plans for CUDA
+        (:func:`trace_device`: what differs, and a :class:`DeviceTraceWarning` where it matters).
 
     Returns
     -------
@@ -418,14 +493,20 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, ho
         If the model has data-dependent shapes or control flow; the message names the op and line.
     """
     step, flat_inputs = flatten_step(model, args, kwargs, hold_outputs=hold_outputs)
+    flat = step.state_tensors() + flat_inputs
+    trace_as = META_PLANS_FOR
+    if device is not None and any(without_data(t) for t in flat):
+        trace_as, step.plans_for = trace_device(device)
 
     def capture(joint, _inputs, *, num_fwd_outputs, **_kw):
         raise _JointCaptured(annotate_joint(joint, step), num_fwd_outputs)
 
     fn = aot_step(step, capture)
     try:
-        run_traced(fn, model, tensors_for_planning(step.state_tensors() + flat_inputs))
+        run_traced(fn, model, tensors_for_planning(flat, trace_as))
     except _JointCaptured as captured:
+        if step.plans_for is not None:
+            _warn_cpu_only_ops(captured.joint, step.plans_for)
         return TracedStep(joint=captured.joint, num_fwd_outputs=captured.num_fwd_outputs, step=step)
     raise UntraceableModelError(
         "the model's forward produced no output that requires grad, so there is no backward to plan: "

@@ -25,7 +25,10 @@ Graph attributes: ``fw_outputs`` / ``bw_outputs`` (node names, None for absent g
 ``input_updates`` (positions in ``fw_outputs`` of the new values of inputs mutated in place, which
 AOTAutograd writes back into the inputs and drops), ``block_container``, ``hold_outputs`` (whether
 the caller keeps the model's outputs through backward),
-``fingerprint`` (a hash of the graph's structure, shapes, dtypes and ``hold_outputs``).
+``device`` (the device type the step runs on), ``traced_on`` (the device type the trace ran on
+where it is not ``device``, else None: a CUDA plan traced on a CPU-only build), ``allocator`` (the
+:mod:`passes.allocator` model ``bytes`` are counted in), ``cost_model`` (the fields of the cost
+model the runtimes come from, or None), ``fingerprint`` (see :meth:`CostGraph.fingerprint`).
 """
 from __future__ import annotations
 
@@ -119,6 +122,10 @@ class CostGraph:
         g.graph["input_updates"] = sorted(gm.meta.get(keys.INPUT_UPDATES, ()))
         g.graph["block_container"] = gm.meta.get(keys.BLOCK_CONTAINER)
         g.graph["hold_outputs"] = bool(gm.meta[keys.HOLD_OUTPUTS])
+        g.graph["device"] = gm.meta.get(keys.DEVICE, "cpu")
+        g.graph["traced_on"] = gm.meta.get(keys.TRACED_ON)
+        g.graph["allocator"] = gm.meta.get(keys.ALLOCATOR, "exact")
+        g.graph["cost_model"] = gm.meta.get(keys.COST_MODEL)
         cg = cls(g)
         g.graph["fingerprint"] = cg._compute_fingerprint()
         return cg
@@ -201,7 +208,22 @@ class CostGraph:
 
     @property
     def fingerprint(self) -> str:
+        """A hash of what a plan's meaning depends on, and nothing else: every node's name, op,
+        phase, shape and dtype, its inputs, the outputs, the inputs updated in place, whether the
+        caller holds the outputs, and the allocator the bytes are counted in (omitted when exact,
+        so CPU fingerprints are those of plans written before it was hashed).
+
+        Not in it: the device index (``cuda:0`` and ``cuda:3`` give one graph), the device type
+        itself (what it changes is in the ops, such as CUDA's own attention kernels, and the
+        allocator), factory ops' ``device=`` arguments, and the cost model's rates (they change
+        the objective, not what a plan means: they are in the plan cache's key).
+        """
         return self.g.graph["fingerprint"]
+
+    @property
+    def allocator(self) -> str:
+        """The :mod:`passes.allocator` model the bytes are counted in (``"exact"``, ``"cuda_caching"``)."""
+        return self.g.graph.get("allocator", "exact")
 
     def preds(self, name: str) -> list[str]:
         """Inputs of a node, in joint-graph order."""
@@ -299,4 +321,6 @@ class CostGraph:
             h.update(f"|input updates {self.g.graph['input_updates']}".encode())
         if not self.hold_outputs:
             h.update(b"|outputs dropped")
+        if self.allocator != "exact":
+            h.update(f"|allocator {self.allocator}".encode())
         return h.hexdigest()[:16]
