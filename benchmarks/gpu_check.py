@@ -228,7 +228,7 @@ def gpu_run(args, emit) -> None:
                                and f.removeprefix(prefix).count(".") == 3):
                 path = os.path.join(args.plans, file)
                 planned_rows(f"transfer {file}", lambda: rc.compile(model, plan=Plan.load(path), hold_outputs=False))
-        del model, inputs, inductor
+        model = inputs = inductor = None  # free this workload before the next (the closures above read them)
         torch.cuda.empty_cache()
 
 

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
