@@ -34,7 +34,7 @@ Roles of forward nodes, in the order the forward runs them:
 
 For :class:`~remat_compiler.moe.MoELayer` the role is the submodule that ran the node
 (``router`` ... ``unpermute``); in fused mode the ``fused_combine`` submodule's GEMM is ``gemm2``,
-its collectives ``combine_a2a`` and the rest ``unpermute``. An HF block's ``experts`` module runs every step in
+its collectives ``combine_a2a`` and the rest ``unpermute``. An HF block's ``experts`` runs every step in
 one module (grouped or batched matmuls), so its forward roles come from data flow: the first and last
 expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
 gathers that feed them, i.e. the nodes whose ancestry inside the module reaches a parameter
