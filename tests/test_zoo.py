@@ -113,9 +113,10 @@ def _assert_moe_segments(family, cg, tokens):
 @pytest.mark.parametrize("family", sorted(MOE_AT_ONE_BUDGET))
 def test_moe_family_at_default_config(family):
     """Segments recognised with their roles; moe_origin, moe_fast and CP-SAT at 0.9 of the
-    no-recompute peak: gradients allclose to eager's, measured peak = predicted, under the budget."""
+    no-recompute peak: gradients allclose to eager's, buffers equal, measured peak = predicted, under
+    the budget, and origin < fast < no recompute."""
     model, inputs, _ = build(family)
-    eager_loss, eager_grads, _ = _eager(model, inputs)
+    eager_loss, eager_grads, eager_buffers = _eager(model, inputs)
     peaks, no_recompute = {}, None
     for solver, budget, options in (("moe_origin", None, {}), ("moe_fast", None, {}),
                                     ("cpsat", MOE_BUDGET, {"time_limit_s": TIME_LIMIT_S})):
@@ -131,6 +132,8 @@ def test_moe_family_at_default_config(family):
         assert mem.peak_bytes == m.plan.peak_bytes, (family, solver, mem.peak_bytes, m.plan.peak_bytes)
         assert m.plan.budget_bytes is None or mem.peak_bytes <= m.plan.budget_bytes, (family, solver)
         peaks[solver] = mem.peak_bytes
+        for name, b in net.named_buffers():  # DeepSeek's router bias, rotary tables
+            assert torch.equal(b, eager_buffers[name]), (family, solver, name)
     assert peaks["moe_origin"] < peaks["moe_fast"] < no_recompute, (family, peaks, no_recompute)
     assert peaks["cpsat"] <= MOE_BUDGET * no_recompute, (family, peaks, no_recompute)
 
