@@ -46,9 +46,10 @@ gradient reshapes).
 
 Blocks are recognised by class name (:data:`MOE_BLOCKS`). HuggingFace's experts run their
 ``grouped_mm`` implementation (transformers' default ``experts_implementation``), which has static
-shapes (traced, its GEMMs are ``aten._grouped_mm`` in bfloat16 and transformers' ``grouped_mm_fallback``
-op in float32, which transformers uses while compiling); the ``"eager"`` one loops in Python over the experts that received tokens (``nonzero`` on the
-routing), which cannot be traced (see :func:`remat_compiler.trace.trace`). The pass only writes metadata.
+shapes: traced, its GEMMs are ``aten._grouped_mm`` in bfloat16 and transformers'
+``grouped_mm_fallback`` op in float32 (which transformers uses while compiling). The ``"eager"`` one
+loops in Python over the experts that received tokens (``nonzero`` on the routing), which cannot be
+traced (see :func:`remat_compiler.trace.trace`). The pass only writes metadata.
 """
 from __future__ import annotations
 
@@ -233,8 +234,11 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
     fw = [n for n in nodes if n.meta.get(PHASE) == "fw"]
     router_child = "router" if kind == "moe_layer" else _HF_ROUTER
     router_fw = [n for n in fw if children[n][0] == router_child]
-    computed = [n for n in fw if children[n][0] in (_HF_EXPERTS, _HF_SHARED)]
-    after_experts = set().union(*(_descendants(n, set(fw)) for n in computed)) if kind != "moe_layer" else set()
+    computed = {n for n in fw if children[n][0] in (_HF_EXPERTS, _HF_SHARED)}
+    after_experts: set[fx.Node] = set()  # forward nodes reading (through the block) an expert's result
+    for n in fw:  # graph order: a node's inputs come first
+        if any(p in computed or p in after_experts for p in n.all_input_nodes):
+            after_experts.add(n)
     first_router = router_fw[0] if router_fw else None
     order = {n: i for i, n in enumerate(nodes)}
     outputs = _router_outputs(router_fw, set(fw))
