@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "build", "LossOf"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "build", "LossOf"]
 
 # size fields only: width, depth, heads, vocabulary, positions
 _TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -53,6 +53,14 @@ def _configs():
         "falcon": lambda: _falcon(),
         "mixtral": lambda: _causal("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=1,
                                    head_dim=16, num_local_experts=4),
+        "deepseek_v3": lambda: _deepseek_v3(),
+        # OLMoE's experts are intermediate_size wide (the default equals hidden_size); its default
+        # eos_token_id (50279) lies outside a small vocabulary, which transformers warns about and a
+        # loss step never reads, so it stays
+        "olmoe": lambda: _causal("OlmoeConfig", "OlmoeForCausalLM", intermediate_size=16,
+                                 num_key_value_heads=2, num_experts=16),
+        "qwen3_moe": lambda: _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_key_value_heads=1,
+                                     head_dim=16, moe_intermediate_size=16, num_experts=16),
         "t5": lambda: _t5(),
         "bert": lambda: _bert(),
         "vit": lambda: _vit(),
@@ -65,6 +73,19 @@ def _gpt2():
 
     cfg = T.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=32)
     return T.GPT2LMHeadModel(cfg), "text"
+
+
+def _deepseek_v3():
+    """DeepSeek-V3: multi-head latent attention, then per layer a dense MLP (the first
+    ``first_k_dense_replace``) or the MoE (a shared expert beside routed experts picked by the
+    group-limited, bias-corrected sigmoid router). The router keeps its defaults (8 groups, the best 4
+    groups, top-8, scaling 2.5), which need at least 16 experts (two per group: a group's score is its
+    best two). ``first_k_dense_replace`` shrinks with the depth (default 3 of 61 layers; 3 of 2 would
+    leave no MoE layer): one dense layer, then one MoE layer."""
+    return _causal("DeepseekV3Config", "DeepseekV3ForCausalLM", num_key_value_heads=2,
+                   moe_intermediate_size=16, n_routed_experts=16, first_k_dense_replace=1,
+                   q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                   v_head_dim=16)
 
 
 def _opt():
@@ -116,6 +137,8 @@ def _resnet():
 
 
 FAMILIES = tuple(_configs())
+# the families whose MoE blocks passes.moe recognises (moe_origin / moe_fast apply to them)
+MOE_FAMILIES = ("mixtral", "deepseek_v3", "olmoe", "qwen3_moe")
 
 
 def _inputs(kind: str, batch: int, seq: int, gen: torch.Generator) -> dict:

@@ -6,8 +6,11 @@ dict with the keys
 
 =============  ========================================================================================
 ``segment``    the MoE block's module path (``""`` when the traced model is the block itself)
-``kind``       ``"moe_layer"`` (:class:`remat_compiler.moe.MoELayer`) or ``"hf_sparse_moe"``
-               (transformers ``MixtralSparseMoeBlock``: a ``gate`` router and a fused ``experts``)
+``kind``       ``"moe_layer"`` (:class:`remat_compiler.moe.MoELayer`), ``"hf_sparse_moe"``
+               (transformers' ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``,
+               ``Qwen3MoeSparseMoeBlock``: a ``gate`` router and a fused ``experts`` module) or
+               ``"hf_shared_moe"`` (``DeepseekV3MoE``: the same two plus a dense ``shared_experts``
+               MLP that every token runs, added to the routed output)
 ``role``       one of :data:`ROLES`, see below
 ``fused``      True on the nodes of the MoELayer's fused GEMM2 -> A2A -> Unpermute
                (``combine="fused"``, :class:`remat_compiler.moe.FusedCombine`), else False
@@ -23,20 +26,30 @@ Roles of forward nodes, in the order the forward runs them:
 - ``dispatch_a2a`` / ``combine_a2a``: the two all-to-alls (and their layout reshapes);
 - ``gemm1``, ``act`` (SwiGLU: everything between the two GEMMs), ``gemm2``;
 - ``unpermute``: weighting by probs and summing each token's rows;
-- ``output``: the block's own nodes after the experts (the reshape back).
+- ``shared``: the shared experts (DeepSeek-V3's ``shared_experts`` MLP), which run on every token
+  beside the routed ones: ``moe_origin`` recomputes them with the rest of the segment, ``moe_fast``
+  saves what their backward reads (only the routed experts' activation is recomputed);
+- ``output``: the block's own nodes after the experts (the reshape back, the sum with the shared
+  experts' output): those reading, within the block, a node of the experts or the shared experts.
 
 For :class:`~remat_compiler.moe.MoELayer` the role is the submodule that ran the node
 (``router`` ... ``unpermute``); in fused mode the ``fused_combine`` submodule's GEMM is ``gemm2``,
-its collectives ``combine_a2a`` and the rest ``unpermute``. Mixtral's ``experts`` runs every step in
+its collectives ``combine_a2a`` and the rest ``unpermute``. An HF block's ``experts`` runs every step in
 one module (grouped or batched matmuls), so its forward roles come from data flow: the first and last
 expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
 gathers that feed them, i.e. the nodes whose ancestry inside the module reaches a parameter
 placeholder), the nodes between them ``act``, earlier
 nodes ``permute`` and later ones ``unpermute``; if the module does not have exactly two GEMMs its
 nodes are ``experts``. Backward nodes carry the role of the submodule that recorded them (``experts``
-for Mixtral's experts module, ``boundary`` for the block's own gradient reshapes).
+for the HF experts module, ``shared`` for the shared experts, ``boundary`` for the block's own
+gradient reshapes).
 
-Blocks are recognised by class name (:data:`MOE_BLOCKS`). The pass only writes metadata.
+Blocks are recognised by class name (:data:`MOE_BLOCKS`). HuggingFace's experts run their
+``grouped_mm`` implementation (transformers' default ``experts_implementation``), which has static
+shapes: traced, its GEMMs are ``aten._grouped_mm`` in bfloat16 and transformers'
+``grouped_mm_fallback`` op in float32 (which transformers uses while compiling). The ``"eager"`` one
+loops in Python over the experts that received tokens (``nonzero`` on the routing), which cannot be
+traced (see :func:`remat_compiler.trace.trace`). The pass only writes metadata.
 """
 from __future__ import annotations
 
@@ -51,16 +64,18 @@ from passes.keys import MOE, PHASE, STORAGE, TRACE_MODULE, TRACE_MODULE_CLASS
 __all__ = ["tag_moe_segments", "ROLES", "MOE_BLOCKS"]
 
 ROLES = ("input", "router", "probs", "routing", "permute", "dispatch_a2a", "gemm1", "act", "gemm2",
-         "combine_a2a", "unpermute", "output", "experts", "boundary")
+         "combine_a2a", "unpermute", "shared", "output", "experts", "boundary")
 
 # block class -> kind
-MOE_BLOCKS = {"MoELayer": "moe_layer", "MixtralSparseMoeBlock": "hf_sparse_moe"}
+MOE_BLOCKS = {"MoELayer": "moe_layer", "MixtralSparseMoeBlock": "hf_sparse_moe",
+              "OlmoeSparseMoeBlock": "hf_sparse_moe", "Qwen3MoeSparseMoeBlock": "hf_sparse_moe",
+              "DeepseekV3MoE": "hf_shared_moe"}
 
 _LAYER_CHILDREN = {"router": "router", "permute": "permute", "dispatch": "dispatch_a2a",
                    "gemm1": "gemm1", "act": "act", "gemm2": "gemm2", "combine": "combine_a2a",
                    "unpermute": "unpermute"}
 _FUSED_CHILD = "fused_combine"
-_HF_ROUTER, _HF_EXPERTS = "gate", "experts"
+_HF_ROUTER, _HF_EXPERTS, _HF_SHARED = "gate", "experts", "shared_experts"
 _GEMM_OPS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm",
              "grouped_mm_fallback"}
 
@@ -219,6 +234,11 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
     fw = [n for n in nodes if n.meta.get(PHASE) == "fw"]
     router_child = "router" if kind == "moe_layer" else _HF_ROUTER
     router_fw = [n for n in fw if children[n][0] == router_child]
+    computed = {n for n in fw if children[n][0] in (_HF_EXPERTS, _HF_SHARED)}
+    after_experts: set[fx.Node] = set()  # forward nodes reading (through the block) an expert's result
+    for n in fw:  # graph order: a node's inputs come first
+        if any(p in computed or p in after_experts for p in n.all_input_nodes):
+            after_experts.add(n)
     first_router = router_fw[0] if router_fw else None
     order = {n: i for i, n in enumerate(nodes)}
     outputs = _router_outputs(router_fw, set(fw))
@@ -231,6 +251,8 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
         if head == "":
             if not is_fw:
                 role = "boundary"
+            elif kind != "moe_layer":
+                role = "output" if n in after_experts else "input"
             else:
                 role = "input" if first_router is None or order[n] < order[first_router] else "output"
         elif head == router_child:
@@ -242,6 +264,8 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
             role = _LAYER_CHILDREN.get(head, "experts")
         elif head == _HF_EXPERTS:
             role = experts.get(n, "act" if rest.startswith("act_fn") else "experts")
+        elif head == _HF_SHARED:
+            role = "shared"
         else:
             role = "experts"
         roles[n] = (role, fused)

@@ -324,17 +324,22 @@ def signature_of(args: tuple, kwargs: dict | None = None) -> tuple:
 
 
 class _ModuleAnnotator:
-    """Forward hooks that record, on every traced node, the innermost module that produced it."""
+    """Forward hooks that record, on every traced node, the innermost module that produced it.
+
+    ``running`` is the stack of ``(path, module)`` being run; a module whose forward raised is not
+    popped, so after a tracing failure its last entry is the module that failed."""
 
     def __init__(self, model: torch.nn.Module):
         self._handles = []
         self._stack: list[Any] = []
+        self.running: list[tuple[str, torch.nn.Module]] = []
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._enter(name, type(module).__name__)))
             self._handles.append(module.register_forward_hook(self._exit))
 
     def _enter(self, name: str, cls: str) -> Callable:
         def hook(module, args):
+            self.running.append((name, module))
             meta = fx_traceback.current_meta
             self._stack.append(meta.get("custom"))
             custom = dict(meta.get("custom") or {})
@@ -344,6 +349,7 @@ class _ModuleAnnotator:
         return hook
 
     def _exit(self, module, args, output):
+        self.running.pop()
         meta = fx_traceback.current_meta
         old = self._stack.pop()
         if old is None:
@@ -401,7 +407,8 @@ def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
         raise
     except Exception as exc:  # re-raised with the failing op and user line named; never swallowed
         if _is_tracing_failure(exc):
-            raise UntraceableModelError(_describe_trace_failure(exc)) from exc
+            failed = annotator.running[-1] if annotator.running else None
+            raise UntraceableModelError(_describe_trace_failure(exc, failed)) from exc
         raise
     finally:
         annotator.remove()
@@ -436,7 +443,27 @@ def _exception_chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-def _describe_trace_failure(exc: Exception) -> str:
+def _module_hint(failed: tuple[str, torch.nn.Module] | None) -> tuple[str, str | None]:
+    """(where: the module whose forward failed, why it has no static-shape graph and what to do
+    instead, where that is known)."""
+    if failed is None:
+        return "", None
+    path, module = failed
+    where = f" in module {path or '(the model)'!r} ({type(module).__name__})"
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) == "eager" and hasattr(module, "_apply_gate"):
+        # transformers' use_experts_implementation: "eager" is the original per-expert Python loop
+        return where, ("transformers' experts_implementation='eager' loops in Python over the experts "
+                       "that received tokens (nonzero of the routing mask, then torch.where for each "
+                       "expert's tokens), so how many expert GEMMs run and how many rows each has depend "
+                       "on the routing values: no static-shape graph exists. Build the model with "
+                       "experts_implementation='grouped_mm' (transformers' default; or call "
+                       "model.set_experts_implementation('grouped_mm')), whose grouped GEMMs over all "
+                       "tokens x top-k routed rows have static shapes.")
+    return where, None
+
+
+def _describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None) -> str:
     op = None
     for e in _exception_chain(exc):
         for token in str(e).replace("(", " ").replace(")", " ").replace(",", " ").split():
@@ -455,8 +482,12 @@ def _describe_trace_failure(exc: Exception) -> str:
              if user_frame else "")
     what = f"op {op}" if op else f"{type(exc).__name__}"
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (f"could not trace the model's training step: {what}{where} has a data-dependent shape or "
-            f"value ({first_line}). Make that part static (fixed shapes, no .item()/.nonzero() on "
+    in_module, why = _module_hint(failed)
+    if why is not None:
+        return (f"could not trace the model's training step: {what}{where}{in_module} has a "
+                f"data-dependent shape or value ({first_line}): {why}")
+    return (f"could not trace the model's training step: {what}{where}{in_module} has a data-dependent "
+            f"shape or value ({first_line}). Make that part static (fixed shapes, no .item()/.nonzero() on "
             f"activations, no Python branching on tensor values) or run it outside the compiled module.")
 
 

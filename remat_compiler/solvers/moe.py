@@ -84,8 +84,9 @@ def _segments_or_raise(cg: CostGraph, name: str) -> dict[str, dict[str, list[str
     segments = moe_segments(cg)
     if not segments:
         raise StrategyNotApplicableError(
-            f"{name} needs an MoE block in the model (remat_compiler.moe.MoELayer or transformers' "
-            f"MixtralSparseMoeBlock); none was found in the traced graph. Use solver='cpsat' for other models")
+            f"{name} needs an MoE block in the model (remat_compiler.moe.MoELayer, or a transformers MoE "
+            f"block that passes.moe.MOE_BLOCKS names: Mixtral's, OLMoE's, Qwen3-MoE's, DeepSeek-V3's); "
+            f"none was found in the traced graph. Use solver='cpsat' for other models")
     return segments
 
 
