@@ -51,6 +51,9 @@ MOE_AT_ONE_BUDGET = {
 }
 MOE_ROLES = {"input", "router", "probs", "routing", "permute", "gemm1", "act", "gemm2", "unpermute", "output"}
 MOE_BUDGET = 0.9
+# the hand-picked strategies each family runs besides CP-SAT: both on DeepSeek's shared-expert block,
+# one each on the two sparse blocks of the same kind (each family's step costs seconds: 16 experts)
+MOE_STRATEGIES = {"deepseek_v3": ("moe_origin", "moe_fast"), "olmoe": ("moe_fast",), "qwen3_moe": ("moe_origin",)}
 
 
 def _assert_same(family, label, got, want):
@@ -112,14 +115,14 @@ def _assert_moe_segments(family, cg, tokens):
 
 @pytest.mark.parametrize("family", sorted(MOE_AT_ONE_BUDGET))
 def test_moe_family_at_default_config(family):
-    """Segments recognised with their roles; moe_origin, moe_fast and CP-SAT at 0.9 of the
-    no-recompute peak: gradients allclose to eager's, buffers equal, measured peak = predicted, under
-    the budget, and origin < fast < no recompute."""
+    """Segments recognised with their roles; CP-SAT at 0.9 of the no-recompute peak and the family's
+    hand-picked strategies (:data:`MOE_STRATEGIES`): gradients allclose to eager's, buffers equal,
+    measured peak = predicted, under the budget, and origin < fast < no recompute."""
     model, inputs, _ = build(family)
     eager_loss, eager_grads, eager_buffers = _eager(model, inputs)
     peaks, no_recompute = {}, None
-    for solver, budget, options in (("moe_origin", None, {}), ("moe_fast", None, {}),
-                                    ("cpsat", MOE_BUDGET, {"time_limit_s": TIME_LIMIT_S})):
+    runs = [("cpsat", MOE_BUDGET, {"time_limit_s": TIME_LIMIT_S})] + [(s, None, {}) for s in MOE_STRATEGIES[family]]
+    for solver, budget, options in runs:
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, solver=solver, **options)
         _step(net, m, inputs)                                   # traces and plans
@@ -134,7 +137,8 @@ def test_moe_family_at_default_config(family):
         peaks[solver] = mem.peak_bytes
         for name, b in net.named_buffers():  # DeepSeek's router bias, rotary tables
             assert torch.equal(b, eager_buffers[name]), (family, solver, name)
-    assert peaks["moe_origin"] < peaks["moe_fast"] < no_recompute, (family, peaks, no_recompute)
+    ordered = [peaks[s] for s in ("moe_origin", "moe_fast") if s in peaks] + [no_recompute]
+    assert ordered == sorted(set(ordered)), (family, peaks, no_recompute)  # strictly increasing
     assert peaks["cpsat"] <= MOE_BUDGET * no_recompute, (family, peaks, no_recompute)
 
 
