@@ -6,7 +6,9 @@ Steps, in order (the same on every rank of a multi-rank workload, so collectives
    strategies on MoE workloads: each warmed up, then one step measured for peak, one for FLOPs;
 2. remat_compiler: the step traced and analysed once; the smallest feasible budget found; one CP-SAT
    plan per budget of the sweep (each peer's measured peak, fractions of the no-recompute plan's
-   peak, the smallest feasible budget), each compiled and measured the same way;
+   peak, the smallest feasible budget), each compiled and measured the same way; on an MoELayer
+   workload also at moe_fast's measured peak minus every layer's ``y`` (issue 16), where
+   ``moe_cpsat`` (CP-SAT over the fused custom backward's graph) plans as well;
 3. every runner timed round-robin (``rounds`` steps each, interleaved): the median step, and the
    median over rounds of its time over eager's time in the same round;
 4. rows: one per strategy point (see :data:`ROW_FIELDS`), with ratios to eager.
@@ -31,10 +33,14 @@ from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 from benchmarks.measure import Runner, max_abs_error, measure, round_ratio, time_round_robin
 from benchmarks.strategies import (MOE_STRATEGIES, PYTORCH_BUDGETS, Comm, Skipped, checkpoint_runner,
-                                   eager_runner, moe_runner, pytorch_runner, remat_runner)
+                                   eager_runner, moe_cpsat_runner, moe_runner, moe_y_bytes, pytorch_runner,
+                                   remat_runner)
 from benchmarks.workloads import ISSUE_TARGETS, WorkloadSpec
 
-__all__ = ["BenchOptions", "ROW_FIELDS", "bench_workload", "sweep_budgets"]
+__all__ = ["BenchOptions", "ROW_FIELDS", "FAST_LESS_Y", "bench_workload", "sweep_budgets"]
+
+#: Setting of the issue-16 point: moe_fast's measured peak minus the bytes of every layer's y.
+FAST_LESS_Y = "moe_fast peak - y"
 
 #: Keys of every result row.
 ROW_FIELDS = ("workload", "strategy", "setting", "budget_bytes", "measured_peak_bytes", "predicted_peak_bytes",
@@ -158,6 +164,10 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
         lambda: min_feasible_peak(cg, memo=memo, **solver_opts)[:2]))
     target = ISSUE_TARGETS.get(spec.name, {}).get("flop_target_peak_mib")
     extra = [(f"issue target {target:g} MiB", int(target * 2 ** 20))] if target else []
+    # issue 16: at moe_fast's measured peak minus every layer's y, a plan with no GEMM recomputed
+    fast_less_y = _fast_less_y(points, moe_y_bytes(model, args)) if spec.moe else None
+    if fast_less_y:
+        extra.append((FAST_LESS_Y, fast_less_y))
     for setting, budget in sweep_budgets(peers, baseline, min_peak, opts.fractions, extra):
         if budget < min_peak:
             note = f"needs >= {human_bytes(min_peak)}" + ("" if proven else " (lowest found, not proven)")
@@ -166,6 +176,10 @@ def bench_workload(spec: WorkloadSpec, opts: BenchOptions, comm: Comm | None = N
         log(f"[{spec.name}] planning remat_compiler {setting} ({human_bytes(budget)})")
         run(remat_runner(remat_model, cg, budget, setting, comm, objective=opts.objective, memo=memo,
                          **solver_opts))
+    if fast_less_y:
+        log(f"[{spec.name}] planning moe_cpsat @ {FAST_LESS_Y} ({human_bytes(fast_less_y)})")
+        run(moe_cpsat_runner(spec, opts.quick, fast_less_y, f"@ {FAST_LESS_Y}", group,
+                             objective=opts.objective, **solver_opts))
 
     live = [p for p in points if p.runner is not None]
     log(f"[{spec.name}] timing {len(live)} runners x {opts.rounds} rounds, interleaved")
@@ -217,6 +231,14 @@ def sweep_budgets(peers, baseline_bytes: int, min_feasible_bytes: int, fractions
     low = int(min_feasible_bytes)
     points[low] = f"{points[low]} / min feasible" if low in points else "@ min feasible"
     return sorted(((s, b) for b, s in points.items()), key=lambda sb: -sb[1])
+
+
+def _fast_less_y(points: list[_Point], y_bytes: int) -> int | None:
+    """moe_fast's measured peak minus ``y_bytes``, when moe_fast and moe_custom both ran (else None)."""
+    ran = {p.runner.strategy: p.peak_bytes for p in points if p.runner is not None}
+    if not y_bytes or "moe_fast" not in ran or "moe_custom" not in ran:
+        return None
+    return ran["moe_fast"] - y_bytes
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:

@@ -9,7 +9,8 @@
 - the project's hand-picked MoE strategies (``moe_origin``, ``moe_fast``, ``moe_custom``) through
   ``remat_compiler.compile(model, solver=name)``;
 - ``remat_compiler``: CP-SAT plans (:func:`remat_runner`) through ``remat_compiler.compile(model,
-  budget, plan=plan)``, the plan made on rank 0 and shared (:class:`Comm`).
+  budget, plan=plan)``, the plan made on rank 0 and shared (:class:`Comm`);
+- ``moe_cpsat``: CP-SAT over the graph traced with the fused custom backward (:func:`moe_cpsat_runner`).
 
 >>> runner = checkpoint_runner(WORKLOADS["gpt2"], quick=True)       # doctest: +SKIP
 """
@@ -32,7 +33,8 @@ from benchmarks.measure import Runner
 from benchmarks.workloads import WorkloadSpec, blocks_of
 
 __all__ = ["PYTORCH_BUDGETS", "MOE_STRATEGIES", "Skipped", "Comm", "eager_runner", "checkpoint_every_block",
-           "checkpoint_runner", "planner_backend", "pytorch_runner", "moe_runner", "remat_runner"]
+           "checkpoint_runner", "planner_backend", "pytorch_runner", "moe_runner", "moe_cpsat_runner",
+           "remat_runner", "moe_y_bytes"]
 
 #: ``torch._functorch.config.activation_memory_budget`` settings of PyTorch's planner.
 PYTORCH_BUDGETS = (1.0, 0.5, 0.3, 0.1)
@@ -160,6 +162,45 @@ def moe_runner(spec: WorkloadSpec, quick: bool, name: str, group=None) -> Runner
     compiled = remat_compiler.compile(model, None, solver=name, plan=planned.plan, hold_outputs=False)
     return Runner(name, "-", compiled, _params(model), plan=planned.plan,
                   prepare_s=planned.plan.solve_time_s)
+
+
+def moe_y_bytes(model: nn.Module, args: tuple) -> int:
+    """Bytes of the gathered expert outputs ``y`` (``[T * top_k, H]`` per MoELayer) that the autograd
+    combine saves for ``d(probs)`` and the fused custom backward never stores, all layers; 0 without
+    a :class:`remat_compiler.moe.MoELayer`."""
+    from remat_compiler.moe import MoELayer
+
+    x = args[0]
+    total = 0
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+        tokens = x.numel() // layer.hidden_size
+        total += tokens * layer.top_k * layer.hidden_size * x.element_size()
+    return total
+
+
+def moe_cpsat_runner(spec: WorkloadSpec, quick: bool, budget_bytes: int, setting: str, group=None,
+                     **solver_options) -> Runner | Skipped:
+    """``solver="moe_cpsat"`` (CP-SAT over the fused-combine graph) at ``budget_bytes`` on a fresh model.
+
+    Under torch.distributed rank 0 plans and every rank runs its plan (as ``remat_compiler.compile``
+    does for any solver).
+
+    Returns
+    -------
+    Runner or Skipped
+        Skipped with status ``infeasible`` when no plan fits (the note names the smallest budget).
+    """
+    model, args, kwargs = spec.build(quick, group)
+    try:
+        planned = remat_compiler.plan_model(model, args, kwargs, budget_bytes, solver="moe_cpsat",
+                                            hold_outputs=False, **solver_options)
+    except InfeasibleBudgetError as exc:
+        return Skipped("moe_cpsat", setting, "infeasible",
+                       f"needs >= {remat_compiler.human_bytes(exc.min_feasible_bytes)}", budget_bytes)
+    compiled = remat_compiler.compile(model, budget_bytes, solver="moe_cpsat", plan=planned.plan,
+                                      hold_outputs=False)
+    return Runner("moe_cpsat", setting, compiled, _params(model), budget_bytes=budget_bytes,
+                  plan=planned.plan, prepare_s=planned.plan.solve_time_s)
 
 
 def remat_runner(model: nn.Module, cg: CostGraph, budget_bytes: int, setting: str, comm: Comm,

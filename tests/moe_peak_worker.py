@@ -26,12 +26,11 @@ __all__ = ["SHAPES", "STRATEGIES", "make_model", "make_tokens", "y_bytes", "run_
 
 # F > H and F < H, top-2 and top-1, one layer and two; 4 experts, 32 tokens a rank, float64.
 # capacity_factor 2.0: top-2 drops nothing (2.0 = E / top_k), top-1 can drop assignments.
-# ``open``: F < H, where custom's peak is still above fast's (see tests/test_moe_custom_peak.py).
 SHAPES = [
     dict(num_layers=1, hidden_size=16, ffn_hidden_size=24, top_k=2),
-    dict(num_layers=1, hidden_size=24, ffn_hidden_size=12, top_k=2, open=True),
+    dict(num_layers=1, hidden_size=24, ffn_hidden_size=12, top_k=2),
     dict(num_layers=1, hidden_size=16, ffn_hidden_size=40, top_k=1),
-    dict(num_layers=2, hidden_size=24, ffn_hidden_size=8, top_k=1, open=True),
+    dict(num_layers=2, hidden_size=24, ffn_hidden_size=8, top_k=1),
     dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2),
 ]
 NUM_EXPERTS, TOKENS = 4, 32
@@ -70,8 +69,10 @@ def _measured_peaks(model, x) -> list[int]:
     return peaks
 
 
-def _peak_place(module) -> dict:
-    """Where the plan's simulated peak is: phase and MoE role of the node running then."""
+def _peak_place(module, shape: dict) -> dict:
+    """Where the plan's simulated peak is: phase and MoE role of the node running then, and the bytes
+    of the gathered expert outputs ``y`` (``[T * top_k, H]``, saved for the unpermute's backward)
+    that are live at that moment."""
     cg, plan = module.planned.cg, module.plan
     sim = simulate(cg, plan.schedule)
     node = sim.peak_node
@@ -79,7 +80,13 @@ def _peak_place(module) -> dict:
     phase = "bw" if sim.peak_time >= sim.num_fw_steps else "fw"  # a recomputation runs in backward
     segments = sorted({(cg.attr(n, "moe") or {}).get("segment") for n in cg.fw_order} - {None})
     before = segments.index(tag["segment"]) if tag.get("segment") in segments else 0
-    return {"node": node, "phase": phase, "role": tag.get("role"), "layers_before": before}
+    y_numel = TOKENS * shape["top_k"] * shape["hidden_size"]
+    y_live = sum(sim.sizes[k] for k in sim.live_at(sim.peak_time)
+                 if k[1] == "fw" and (cg.attr(k[0], "moe") or {}).get("role") in ("combine_a2a", "unpermute")
+                 and (cg.attr(k[0], "shape") or ())[-1:] == (shape["hidden_size"],)
+                 and sim.sizes[k] == y_numel * 8)
+    return {"node": node, "phase": phase, "role": tag.get("role"), "layers_before": before,
+            "y_live_bytes": y_live}
 
 
 def run_shape(shape: dict, group=None, world: int = 1, rank: int = 0) -> dict:
@@ -90,7 +97,7 @@ def run_shape(shape: dict, group=None, world: int = 1, rank: int = 0) -> dict:
         module = remat_compiler.compile(make_model(shape, group), solver=name)
         grads = _step(module, x)  # the first call traces and plans
         out[name] = {"grads": grads, "predicted": module.plan.peak_bytes, "saved": module.plan.saved_bytes,
-                     "measured": _measured_peaks(module, x), "peak_at": _peak_place(module)}
+                     "measured": _measured_peaks(module, x), "peak_at": _peak_place(module, shape)}
     return out
 
 

@@ -91,3 +91,24 @@ def test_inductor_peers_table_and_targets():
     assert "<= 0.85 at checkpoint every block's peak (issue target): **not met**, 0.90" in targets[2]
     assert "**not met**: remat inductor @ checkpoint every block peak 61.00 > 60.00 MiB" in targets[3]
     assert "**not met** (worst -18.0%, @ checkpoint every block peak)" in targets[4]
+
+
+def test_fast_less_y_target_line():
+    """Issue 16's target line, on rows written by hand: met when the plan fits the budget at no more
+    FLOPs than its graph without recompute (moe_custom's for moe_cpsat, moe_fast's for cpsat)."""
+    from benchmarks.report import check_targets
+
+    mib = 2 ** 20
+
+    def row(strategy, setting, peak_mib, ratio, budget_mib=None):
+        return {"workload": "moe1", "strategy": strategy, "setting": setting, "status": "optimal", "note": "",
+                "budget_bytes": budget_mib and budget_mib * mib, "measured_peak_bytes": peak_mib * mib,
+                "predicted_peak_bytes": peak_mib * mib, "flop_ratio": ratio}
+
+    rows = [row("eager", "-", 170, 1.0), row("moe_fast", "-", 116, 1.0), row("moe_custom", "-", 110, 1.0004),
+            row("remat_compiler", "@ moe_fast peak - y", 108, 1.0556, 108),
+            row("moe_cpsat", "@ moe_fast peak - y", 107, 1.0004, 108)]
+    line, = [t for t in check_targets({"workload": "moe1", "rows": rows}) if "issue 16" in t]
+    assert line.startswith("- at moe_fast's peak minus every layer's y (108.0 MiB)")
+    assert "moe_cpsat met, measured 107.0 MiB at FLOP ratio 1.0004 (no recompute: 1.0004)" in line
+    assert "remat_compiler **not met**, measured 108.0 MiB at FLOP ratio 1.0556" in line

@@ -21,11 +21,13 @@ row) comes back through a third small all-to-all. With one rank none of these ca
 
 Memory of the backward. AOTAutograd traces ``FusedCombine.backward`` into aten ops and functionalizes
 them, so an in-place ``H.mul_(p)`` written there becomes an out-of-place ``mul`` and the traced
-backward holds ``H`` and ``p * H`` (two ``[rows, F]`` tensors) at once, more than the ``y`` it never
-saved when ``F > H / 2``. :func:`combine_dgrad` is therefore one custom op (opaque to the trace, like
-``passes.loss``'s fused cross-entropy backward): it makes ``H`` with the dgrad GEMM, takes the row
-dot products, scales ``H`` in place and returns it as ``dL/da``; its only allocations are its two
-outputs, which the plan's simulator counts like any op's.
+backward holds ``H`` and ``p * H`` (two ``[rows, F]`` tensors) at once; likewise the wgrad operand
+``p * G`` (or ``p * a``) would be a ``[rows, H]`` (``[rows, F]``) temporary held with ``G``, ``a`` and
+the recomputation of ``a``. :func:`combine_dgrad` is therefore one custom op (opaque to the trace, like
+``passes.loss``'s fused cross-entropy backward) for both GEMMs: one ``[rows, F]`` buffer holds
+``p * a`` for the wgrad GEMM, then ``H`` from the dgrad GEMM, whose row dot products with ``a`` give
+``d(probs)``, and is scaled in place into ``dL/da``. Its only allocations are its three outputs, which
+the plan's simulator counts like any op's.
 """
 
 from __future__ import annotations
@@ -100,9 +102,9 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("remat::combine_dgrad", mutates_args=())
-def combine_dgrad(grad_exp: torch.Tensor, w2: torch.Tensor, act: torch.Tensor,
-                  p_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dgrad GEMM of the fused combine, with ``d(probs)`` taken from it, in one ``[rows, F]`` buffer.
+def combine_dgrad(grad_exp: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, p_exp: torch.Tensor,
+                  need_w2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused combine's backward GEMMs, with ``d(probs)`` taken from the dgrad, in one ``[rows, F]`` buffer.
 
     Parameters
     ----------
@@ -114,36 +116,45 @@ def combine_dgrad(grad_exp: torch.Tensor, w2: torch.Tensor, act: torch.Tensor,
         ``[E_local, rows, F]`` saved SwiGLU output (contiguous, as SwiGLU makes it).
     p_exp : torch.Tensor
         ``[E_local, rows, 1]`` probability of each row (zero where unused).
+    need_w2 : bool
+        Whether to compute ``dL/dW2`` (False when ``W2`` needs no gradient).
 
     Returns
     -------
     tuple of torch.Tensor
-        ``dL/da = p * (G W2^T)`` (``[E_local, rows, F]``) and ``dL/dp = <G W2^T, a>`` per row
-        (``[E_local, rows, 1]``). ``G W2^T`` is made once and scaled in place: the op allocates
-        nothing but its outputs (the row dot products are a batched GEMM, no ``[rows, F]`` product).
+        ``dL/da = p * (G W2^T)`` (``[E_local, rows, F]``), ``dL/dp = <G W2^T, a>`` per row
+        (``[E_local, rows, 1]``) and ``dL/dW2 = (p * a)^T G`` (``[E_local, F, H]``; empty when
+        ``need_w2`` is False). One ``[rows, F]`` buffer serves first as ``p * a`` for the wgrad GEMM,
+        then as ``G W2^T`` (the row dot products are read off it, a batched GEMM) and is scaled in
+        place into ``dL/da``: the op allocates nothing but its outputs.
 
     Example
     -------
-    >>> grad_act, dp = combine_dgrad(g_exp, w2, act, p_exp)  # doctest: +SKIP
+    >>> grad_act, dp, grad_w2 = combine_dgrad(g_exp, w2, act, p_exp, True)  # doctest: +SKIP
     """
-    h = torch.bmm(grad_exp, w2.transpose(1, 2))  # G W2^T, [E_local, rows, F]
-    dp = rowdot(h, act)  # <G W2^T, a> = <G, y>: read before the scaling
-    return h.mul_(p_exp), dp
+    buf = torch.mul(act, p_exp)  # p * a: the wgrad's scaled operand, [E_local, rows, F]
+    grad_w2 = torch.bmm(buf.transpose(1, 2), grad_exp) if need_w2 else grad_exp.new_empty(0)
+    torch.bmm(grad_exp, w2.transpose(1, 2), out=buf)  # G W2^T, into the same buffer
+    dp = rowdot(buf, act)  # <G W2^T, a> = <G, y>: read before the scaling
+    return buf.mul_(p_exp), dp, grad_w2
 
 
 @combine_dgrad.register_fake
-def _(grad_exp, w2, act, p_exp):
+def _(grad_exp, w2, act, p_exp, need_w2):
     rows = (*grad_exp.shape[:2],)
-    return grad_exp.new_empty(*rows, w2.shape[1]), grad_exp.new_empty(*rows, 1)
+    grad_w2 = grad_exp.new_empty(*w2.shape) if need_w2 else grad_exp.new_empty(0)
+    return grad_exp.new_empty(*rows, w2.shape[1]), grad_exp.new_empty(*rows, 1), grad_w2
 
 
 @register_flop_formula(torch.ops.remat.combine_dgrad)
-def _combine_dgrad_flop(grad_shape, w2_shape, act_shape, p_shape, out_shape=None, **kwargs) -> int:
-    """The dgrad GEMM and the row dot products (as ``bmm`` counts them), the scaling left out."""
+def _combine_dgrad_flop(grad_shape, w2_shape, act_shape, p_shape, need_w2, out_shape=None, **kwargs) -> int:
+    """The dgrad GEMM, the row dot products (as ``bmm`` counts them) and the wgrad GEMM when asked;
+    the scalings left out."""
     experts, rows, hidden = grad_shape
     width = w2_shape[1]
-    return (bmm_flop(grad_shape, (experts, hidden, width))
-            + bmm_flop((experts * rows, 1, width), (experts * rows, width, 1)))
+    flops = (bmm_flop(grad_shape, (experts, hidden, width))
+             + bmm_flop((experts * rows, 1, width), (experts * rows, width, 1)))
+    return flops + (bmm_flop((experts, width, rows), grad_shape) if need_w2 else 0)
 
 
 def _to_experts(tok: torch.Tensor, group, route) -> torch.Tensor:
@@ -164,12 +175,12 @@ class FusedCombine(torch.autograd.Function):
     """GEMM2 + combine all-to-all + probability-weighted unpermute with a memory-lean backward.
 
     See the module docstring for the math. Use through :func:`fused_combine`. The backward's
-    largest transient is one ``[E_local, W*C, F]`` buffer (``H``, scaled in place into ``dL/da`` by
-    :func:`combine_dgrad`); it gathers ``G`` into the token-side buffer (no per-assignment copy of
-    ``G``) and takes ``d(probs)`` as a batched row dot product (no ``H * a`` temp). The token side is
-    the ``[E, C]`` capacity buffer with equal splits, or the ``[T * top_k]`` routed rows with a
-    :class:`~remat_compiler.moe._dist.Route` (uneven splits): the route's four tensors follow
-    ``group`` as arguments.
+    largest transient is one ``[E_local, W*C, F]`` buffer (``p * a``, then ``H``, scaled in place into
+    ``dL/da`` by :func:`combine_dgrad`, which also makes ``dL/dW2``); it gathers ``G`` into the
+    token-side buffer (no per-assignment copy of ``G``) and takes ``d(probs)`` as a batched row dot
+    product (no ``H * a`` temp). The token side is the ``[E, C]`` capacity buffer with equal splits,
+    or the ``[T * top_k]`` routed rows with a :class:`~remat_compiler.moe._dist.Route` (uneven
+    splits): the route's four tensors follow ``group`` as arguments.
     """
 
     @staticmethod
@@ -203,17 +214,18 @@ class FusedCombine(torch.autograd.Function):
         g_exp = _to_experts(g_tok, group, route)  # [E_local, W*C, H]
         p_exp = _to_experts(p_tok, group, route)  # [E_local, W*C, 1]
 
-        grad_w2 = torch.bmm(act.transpose(1, 2), g_exp * p_exp) if ctx.needs_input_grad[1] else None
-        grad_act = grad_probs = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-            # dgrad GEMM, scaled in place after d(probs) is read off it: one [E_local, W*C, F] buffer
-            grad_act, dp_exp = combine_dgrad(g_exp, w2, act, p_exp)
+        grad_act = grad_w2 = grad_probs = None
+        if any(ctx.needs_input_grad[:3]):
+            # wgrad and dgrad GEMMs, d(probs) read off the dgrad: one [E_local, W*C, F] buffer
+            grad_act, dp_exp, grad_w2 = combine_dgrad(g_exp, w2, act, p_exp, ctx.needs_input_grad[1])
         if ctx.needs_input_grad[2]:
             dp_tok = _to_tokens(dp_exp, group, route, num_rows).reshape(num_rows)
             dp_tok = torch.cat([dp_tok, dp_tok.new_zeros(1)])  # dropped assignments get 0
             grad_probs = dp_tok.index_select(0, slot.reshape(-1)).view(tokens, top_k)
         if not ctx.needs_input_grad[0]:
             grad_act = None
+        if not ctx.needs_input_grad[1]:
+            grad_w2 = None
         return (grad_act, grad_w2, grad_probs, None, None, *(None for _ in (route or ())))
 
 

@@ -210,9 +210,10 @@ def act_reruns(cg: CostGraph) -> list[tuple[str, int]]:
     """Reruns that drop each recomputed activation value between the fused combine's backward and the
     activation's own backward: ``(v, j)`` with ``j`` the first activation-role backward step reading ``v``.
 
-    The fused backward reads the SwiGLU output ``a`` after its dgrad GEMM (``d(probs) = <G W2^T, a>``),
-    so ``a``, its GEMM input ``G`` and the dgrad output are live at once; without reruns the
-    recomputed ``silu(gate)`` (read again only by the SwiGLU backward) is held across that moment too.
+    The fused backward reads the SwiGLU output ``a`` in its one op for both GEMMs
+    (:func:`~remat_compiler.moe.combine.combine_dgrad`: ``dW2 = (p a)^T G``, ``d(probs) = <G W2^T, a>``),
+    so ``a``, ``G`` and the op's outputs are live at once; without reruns the recomputed
+    ``silu(gate)`` (read again only by the SwiGLU backward) is held across that moment too.
     Recomputing it a second time costs a pointwise op and no counted FLOPs.
     """
     index = cg.bw_index
