@@ -99,6 +99,9 @@ class PeerOptions:
         Seconds one row's process may take.
     budgets : tuple of float
         torch.compile's ``activation_memory_budget`` points.
+    checkpoint : bool
+        Also the checkpoint-every-block rows (eager and under torch.compile) and remat_compiler at
+        their peaks; False re-measures just the budget points (a shorter run).
     """
 
     quick: bool = False
@@ -109,6 +112,7 @@ class PeerOptions:
     threads: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     row_timeout_s: float = 1800.0
     budgets: tuple = PYTORCH_BUDGETS
+    checkpoint: bool = True
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True), repr=False)
 
 
@@ -273,11 +277,12 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
     """
     t_start = time.perf_counter()
     run = lambda kind, setting, **extra: _run_row(_task(name, opts, kind, setting, **extra), opts)  # noqa: E731
-    rows = [run("eager", "-"), run("checkpoint", "every block")]
+    rows = [run("eager", "-")] + ([run("checkpoint", "every block")] if opts.checkpoint else [])
     peers = [run("torch.compile", f"budget {b}", activation_budget=b) for b in opts.budgets]
-    peers.append(run("torch.compile checkpoint", "every block"))
+    if opts.checkpoint:
+        peers.append(run("torch.compile checkpoint", "every block"))
     rows += peers
-    for peer in (rows[0], *peers, rows[1]):
+    for peer in (rows[0], *peers, *rows[1:2 if opts.checkpoint else 1]):
         setting = f"@ {_label(peer)} peak"
         peak = peer.get("rss_peak_bytes")
         if not peak or peak <= 0:
@@ -286,7 +291,7 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
             continue
         peer_task = {k: peer[k] for k in ("workload", "quick", "kind", "setting", "activation_budget") if k in peer}
         rows.append(dict(run("remat inductor", setting, budget_bytes=peak, peer_task=peer_task), peer=_label(peer)))
-    ckpt_peak = rows[1].get("rss_peak_bytes")
+    ckpt_peak = rows[1].get("rss_peak_bytes") if opts.checkpoint else None
     if ckpt_peak and ckpt_peak > 0:
         rows.append(dict(run("remat eager", "@ checkpoint every block peak", budget_bytes=ckpt_peak),
                          peer=_label(rows[1])))
@@ -451,6 +456,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=",".join(map(str, PYTORCH_BUDGETS)),
                    help="torch.compile's activation_memory_budget points (default: the benchmark's, "
                         f"{','.join(map(str, PYTORCH_BUDGETS))})")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="leave out the checkpoint-every-block rows and the remat_compiler rows at their peaks")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in every row's process (default: 2 on this machine; 1 when other work "
                         "shares the cores, where two OpenMP threads wait on each other)")
@@ -470,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                        time_limit_s=args.time_limit or (5.0 if args.quick else 25.0), num_workers=args.workers,
                        objective=args.objective, budgets=tuple(float(b) for b in args.budgets.split(",")),
                        row_timeout_s=args.row_timeout or (900.0 if args.quick else 1800.0),
-                       **({"threads": args.threads} if args.threads else {}))
+                       checkpoint=not args.no_checkpoint, **({"threads": args.threads} if args.threads else {}))
     command = "python -m benchmarks.inductor_peers " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     docs = []
     for name in names:
