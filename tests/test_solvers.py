@@ -13,6 +13,7 @@ from remat_compiler.clock import MIN_SLICE_S, Deadline
 from remat_compiler.errors import StrategyNotApplicableError
 from remat_compiler.graph import block_boundary_set, block_stack
 from remat_compiler.moe.layer import fused_combine_mode
+from remat_compiler.schedule import peak_of
 from remat_compiler.solvers import SOLVERS, Strategy, get_solver
 
 
@@ -106,6 +107,36 @@ def test_a_deadline_hands_out_slices_of_what_is_left():
     assert clock.part(100.0).seconds <= 10.0  # a phase ends no later than the whole
     spent = Deadline(0.0)
     assert spent.expired() and spent.slice() == MIN_SLICE_S and spent.part(5.0).seconds == MIN_SLICE_S
+
+
+def test_the_warm_start_ends_by_its_share_and_the_search_gets_the_model_it_built(monkeypatch):
+    """Past ``SHARES["end"]`` of the time limit the composition and the tied blocks are not started
+    (the search keeps its time); before it they get their shares, bounded by that end. The tied
+    blocks search a copy of the job's model, which the search then uses unhinted (built once)."""
+    from remat_compiler.solvers.cpsat import warmstart
+    from remat_compiler.solvers.cpsat.run import Job
+    from tests.test_determinism import stack_graph
+
+    cg = stack_graph()
+    budget = (rc.solve(cg, None, "checkpoint_blocks").peak_bytes + rc.solve(cg, None, "save_all").peak_bytes) // 2
+    real_tied = warmstart.tied_blocks
+    calls = []
+    monkeypatch.setattr(warmstart, "decomposition", lambda job, s: warmstart.Seed())
+    monkeypatch.setattr(warmstart, "composition", lambda job, s: calls.append(("composition", s)))
+    monkeypatch.setattr(warmstart, "tied_blocks", lambda job, s, start: calls.append(("tied", s)))
+    late = Job(cg, budget, "runtime", Deadline(1.0))
+    time.sleep(0.7)
+    warmstart.seed(late, heuristics=True, block_reuse=True, block_reuse_share=0.4)
+    assert calls == []
+    warmstart.seed(Job(cg, budget, "runtime", Deadline(100.0)), heuristics=True, block_reuse=True,
+                   block_reuse_share=0.4)
+    assert [name for name, _ in calls] == ["composition", "tied"]
+    assert calls[0][1] <= warmstart.COMPOSITION_CAP_S and calls[1][1] <= 40.0
+    job = Job(cg, budget, "runtime", Deadline(10.0))
+    tied = real_tied(job, 2.0)
+    assert tied is not None and peak_of(cg, tied) <= budget
+    rm = job.cost_model()
+    assert job.models["cost"] is rm and len(rm.model.proto.solution_hint.vars) == 0
 
 
 def test_a_deterministic_deadline_spends_only_what_searches_are_charged():

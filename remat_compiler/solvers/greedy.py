@@ -90,9 +90,11 @@ def fill_saved_set(cg: CostGraph, budget_bytes: int, start, groups=None,
         schedule = build_schedule(cg, trial)
         if not set(group) & set(schedule.saved):
             continue
-        trial_sim = simulate(cg, schedule)
         trial_cost = _recompute_cost(cg, schedule, cost_of)
-        if trial_sim.peak_bytes <= budget_bytes and trial_cost < cost:
+        if trial_cost >= cost:  # no saving: not worth a simulation
+            continue
+        trial_sim = simulate(cg, schedule)
+        if trial_sim.peak_bytes <= budget_bytes:
             saved, sim, cost = set(schedule.saved), trial_sim, trial_cost
     return saved, sim.peak_bytes
 

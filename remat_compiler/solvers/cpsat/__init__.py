@@ -75,7 +75,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         and, from its choice of per-block plans, a plan; when that plan meets the bound (up to the
         tie-break) no search follows. Otherwise per-block options composed under the budget
         (:mod:`.blockwise`), or the model where identical blocks make the same decisions (for this
-        share of the time limit), seed the full model, which may then treat each block differently.
+        share of the time limit), seed the full model, which may then treat each block differently;
+        both end by ``warmstart.SHARES["end"]`` of the time limit (or are skipped), so the search
+        keeps its share.
     forced_saved, forbidden_saved :
         Candidate names that must / must not be saved (user policies).
     progress : callable, optional

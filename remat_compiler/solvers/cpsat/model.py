@@ -257,36 +257,46 @@ def _add_step_bounds(m, cg, peak, unit, fixed, F, B, fw_reads, bw_reads, direct_
     """
     points = list(range(F)) + [bw_time(F, j) for j in range(B)]  # sorted times of fw and bw nodes
     T = len(points)
-    fixed_prof = [0] * (T + 1)
+    # the constants first, as range additions on one difference array (O(values + times))
+    diff = [0] * (T + 1)
     for a, z, size in fixed:
         lo, hi = bisect.bisect_left(points, a), bisect.bisect_right(points, z)
         if lo < hi:
-            fixed_prof[lo] += size // unit
-            fixed_prof[hi] -= size // unit
-    for t in range(1, T + 1):
-        fixed_prof[t] += fixed_prof[t - 1]
-    const = list(fixed_prof[:T])
-    terms: list[list[tuple[int, str]]] = [[] for _ in range(T)]
+            diff[lo] += size // unit
+            diff[hi] -= size // unit
+    spans = []  # per decided candidate: (size, v, last forward time it is a term, last backward step)
     for v in cg.candidates:
         size = cg.attr(v, "bytes") // unit
         a = alloc_index(cg, v)
         e = max(fw_reads.get(v, a), a)
-        for t in range(a, e + 1):
-            const[t] += size
+        diff[a] += size
+        diff[e + 1] -= size
         if v not in s:
             continue
         lo = bw_reads.get(v, -1)
         if lo < 0:  # live until its reader's recomputation, which runs before that step's node
             lo = reach[v] - 1
-        for t in range(e + 1, F):
-            terms[t].append((size, v))
         first = direct_first.get(v)
-        for j in range(0, lo + 1):
-            if first is not None and j >= first:
-                const[F + j] += size
-            else:
-                terms[F + j].append((size, v))
-    for t in _undominated(const, F):
+        if first is not None and first <= lo:  # certainly live from its first backward read on
+            diff[F + first] += size
+            diff[F + lo + 1] -= size
+        spans.append((size, v, e, lo if first is None else min(lo, first - 1)))
+    const = [0] * T
+    acc = 0
+    for t in range(T):
+        acc += diff[t]
+        const[t] = acc
+    # then the saved terms, only at the times kept (each time's terms in candidate order)
+    keep = _undominated(const, F)
+    kept_fw = [t for t in keep if t < F]
+    kept_bw = [t - F for t in keep if t >= F]
+    terms: dict[int, list[tuple[int, str]]] = {t: [] for t in keep}
+    for size, v, e, last_j in spans:
+        for t in kept_fw[bisect.bisect_right(kept_fw, e):]:  # after its last forward read
+            terms[t].append((size, v))
+        for j in kept_bw[:bisect.bisect_right(kept_bw, last_j)]:  # before it is certainly live
+            terms[F + j].append((size, v))
+    for t in keep:
         if terms[t]:
             m.add(sum(c * s[v] for c, v in terms[t]) + const[t] <= peak)
         else:

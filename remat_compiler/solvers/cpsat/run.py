@@ -17,6 +17,7 @@ from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import build_schedule
 from remat_compiler.solvers.cpsat.costs import cost_units
 from remat_compiler.solvers.cpsat.memo import SolveMemo
+from remat_compiler.solvers.cpsat.model import RematModel, build_model
 
 __all__ = ["Job", "new_solver", "make_solver", "run_solver", "Progress"]
 
@@ -120,6 +121,8 @@ class Job:
     num_workers : int | None
     reruns : bool
         Whether plans may recompute a value more than once.
+    models : dict
+        The models built for this job (see :meth:`cost_model`), shared by its phases' copies.
     """
 
     cg: CostGraph
@@ -131,6 +134,7 @@ class Job:
     forbidden_saved: tuple = ()
     num_workers: int | None = None
     reruns: bool = True
+    models: dict = field(default_factory=dict, repr=False)
 
     @property
     def deterministic(self) -> bool:
@@ -139,6 +143,14 @@ class Job:
     def with_deadline(self, deadline: Deadline) -> "Job":
         """The same job on another clock (a phase's part of this one's)."""
         return replace(self, deadline=deadline)
+
+    def cost_model(self) -> RematModel:
+        """The model of this job's budget, policy and objective, minimising the cost, built once
+        (the tied-blocks warm start searches a copy of it, the cost search the model itself)."""
+        if "cost" not in self.models:
+            self.models["cost"] = build_model(self.cg, self.budget_bytes, forced_saved=self.forced_saved,
+                                              forbidden_saved=self.forbidden_saved, objective=self.objective)
+        return self.models["cost"]
 
     def cost_of(self, n: str) -> int:
         """A node's recompute cost in the objective's integer units."""

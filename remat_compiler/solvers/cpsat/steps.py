@@ -84,8 +84,7 @@ def floor_first(job: Job) -> tuple[Floor, set[str] | None]:
 def formulate(job: Job, start: Seed) -> tuple[RematModel, float | None]:
     """The model, hinted with the warm start, and a lower bound on its cost (model units): the
     LP relaxation's where something must be recomputed, raised to the block decomposition's."""
-    rm = build_model(job.cg, job.budget_bytes, forced_saved=job.forced_saved,
-                     forbidden_saved=job.forbidden_saved, objective=job.objective)
+    rm = job.cost_model()
     if start.saved is not None:
         hint(rm, job.cg, start.saved)
     needs_recompute = job.budget_bytes is not None and no_recompute(job.cg).peak_bytes > job.budget_bytes

@@ -5,11 +5,13 @@
 - else the per-block options composed under the budget (:mod:`.blockwise`);
 - else CP-SAT on the model with identical blocks tied to the same decisions.
 
-:func:`seed` runs them in that order, each on its share of the job's clock, and picks the cheapest.
+:func:`seed` runs them in that order, each on its share of the job's clock, and picks the cheapest;
+the composition and the tied blocks end by ``SHARES["end"]`` of it, or are skipped, so the search
+that follows keeps its time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
@@ -30,8 +32,11 @@ SHARES = {
     "decomposition": 0.85,   # of T: the block decomposition's bound and plan...
     "bound": 0.88,           # ...of which the bound's menus and choice, the rest for its fix-up solve
     "composition": 0.3,      # of T, at most COMPOSITION_CAP_S: the per-block composition
+    "end": 0.6,              # of T: the composition and the tied blocks end by then, so that the
+                             # cost search (until SHARES["search"] of T, see .steps) keeps its share
 }
 COMPOSITION_CAP_S = 15.0
+MIN_PHASE_S = 0.5  # a phase with less time than this before the warm start's end is skipped
 
 
 @dataclass
@@ -68,10 +73,10 @@ def seed(job: Job, *, heuristics: bool, block_reuse: bool, block_reuse_share: fl
         # deterministic mode (its solves run against the wall clock)
         found = decomposition(job, job.deadline.slice(cap=SHARES["decomposition"] * T))
     composed = tied = None
-    if block_reuse and not found.decomposed:
-        composed = composition(job, job.deadline.slice(cap=min(COMPOSITION_CAP_S, SHARES["composition"] * T)))
-        if composed is None:
-            tied = tied_blocks(job, job.deadline.slice(cap=T * block_reuse_share), heuristic)
+    if block_reuse and not found.decomposed and _room(job) >= MIN_PHASE_S:
+        composed = composition(job, min(COMPOSITION_CAP_S, SHARES["composition"] * T, _room(job)))
+        if composed is None and _room(job) >= MIN_PHASE_S:
+            tied = tied_blocks(job, min(T * block_reuse_share, _room(job)), heuristic)
     known = job.memo.fitting(cg, budget, job.complies)
     plans = [w for w in (found.saved, composed, tied, heuristic, *known) if w is not None and job.complies(w)]
     found.saved = set(min(plans, key=job.cost)) if plans else None
@@ -79,22 +84,31 @@ def seed(job: Job, *, heuristics: bool, block_reuse: bool, block_reuse_share: fl
     return found
 
 
+def _room(job: Job) -> float:
+    """The time left before the warm start's end (``SHARES["end"]`` of the time limit)."""
+    return SHARES["end"] * job.deadline.seconds - job.deadline.elapsed()
+
+
 def tied_blocks(job: Job, seconds: float, start=None) -> set[str] | None:
-    """CP-SAT with identical blocks tied to the same decisions (from ``start``, a saved set); None
-    if there are no such blocks or it finds no plan in ``seconds``."""
+    """CP-SAT with identical blocks tied to the same decisions (from ``start``, a saved set), on a
+    copy of the job's model (built here if not yet: the search uses it next); None if there are no
+    such blocks, or it finds no plan in ``seconds`` (building the model included)."""
     classes = block_classes(job.cg)
     if not classes:
         return None
-    rm = build_model(job.cg, job.budget_bytes, forced_saved=job.forced_saved,
-                     forbidden_saved=job.forbidden_saved, objective=job.objective)
+    clock = job.deadline.part(max(MIN_PHASE_S, seconds))
+    full = job.cost_model()
+    rm = replace(full, model=full.model.clone())  # the same variables, by index
     for cls in classes:
         first = rm.saved.get(cls[0])
         for v in cls[1:]:
             if first is not None and v in rm.saved:
                 rm.model.add(rm.saved[v] == first)
+    if clock.left() < MIN_PHASE_S:  # the build took the time
+        return None
     if start is not None:
         hint(rm, job.cg, start)
-    status, solver = job.solve(rm.model, max(0.5, seconds))
+    status, solver = job.solve(rm.model, max(MIN_PHASE_S, clock.left()), deadline=clock)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return {v for v, var in rm.saved.items() if solver.value(var)}
