@@ -159,6 +159,7 @@ _ASSIGN = re.compile(rf"^({_NAME}) = (.+)$")
 _EMPTY = re.compile(r"^empty_strided\w*\(\(([^)]*)\), \(([^)]*)\),.*?(torch\.\w+)")
 _ALIAS = re.compile(rf"^(?:reinterpret_tensor\()?({_NAME})(?:,.*\))?$")
 _ITEM = re.compile(rf"^({_NAME})\[(\d+)\]$")
+_BARE = re.compile(rf"^({_NAME})$")
 _UNPACK = re.compile(rf"^((?:{_NAME}, )*{_NAME},?) = args$")
 
 
@@ -245,11 +246,24 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
     (each holding one reference for it). Returns the storages of what it returns, one reference each."""
     frame: dict[str, int | None] = {}
     multi: set[str] = set()
+    statements = list(_call_body(graph.source))
+    # a fallback kernel allocates all its outputs while its inputs are alive, and the code names them
+    # afterwards (``buf1 = buf0[i]``, or ``buf1 = buf0`` for its only one), often after ``del``s of
+    # those inputs: the outputs are counted at the call (``pending``), and handed to their names later
+    named_from: dict[str, list[str]] = {}
+    for stmt in statements:
+        if (m := _ASSIGN.match(stmt)) and (item := _ITEM.match(m.group(2)) or _BARE.match(m.group(2))):
+            named_from.setdefault(item.group(1), []).append(m.group(1))
+    pending: dict[str, int] = {}
 
     def drop(name: str) -> None:
         if name not in frame:
             raise UnreadableCodeError(f"{tag}: del of {name}, which is not defined")
         mem.release(frame.pop(name))
+        if name in multi:
+            for out in named_from.get(name, ()):  # outputs never named die with the kernel's tuple
+                if out in pending:
+                    mem.release(pending.pop(out))
 
     def bind(name: str, sid: int | None) -> None:
         if name in frame:
@@ -257,7 +271,7 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
         frame[name] = sid
         mem.acquire(sid)
 
-    for stmt in _call_body(graph.source):
+    for stmt in statements:
         if stmt == "args.clear()" or stmt.startswith(("assert_", "pass")):
             continue
         if m := _UNPACK.match(stmt):
@@ -289,17 +303,23 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
         if m := _ASSIGN.match(stmt):
             name, expr = m.groups()
             a, item = _ALIAS.match(expr), _ITEM.match(expr)
-            if (a and a.group(1) in multi) or (item and item.group(1) in multi):
-                # the output of a fallback kernel (``buf1 = buf0`` for its only one, ``buf1 = buf0[i]``)
+            if name in pending:  # the output of a fallback kernel, allocated at its call
+                if name in frame:
+                    drop(name)
+                frame[name] = pending.pop(name)
+            elif (a and a.group(1) in multi) or (item and item.group(1) in multi):
                 bind(name, mem.new(_buffer_bytes(graph, name, tag)))
             elif a and a.group(1) in frame:
                 bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
             elif (empty := _EMPTY.match(expr)) is not None:
                 bind(name, mem.new(_span_bytes(*empty.groups())))
             elif name in graph.buffer_bytes:
-                if graph.buffer_bytes[name] == 0 and not expr.startswith("empty"):
-                    multi.add(name)  # a multi-output kernel: its outputs are named next
                 bind(name, mem.new(graph.buffer_bytes[name]))
+                if graph.buffer_bytes[name] == 0 and not expr.startswith("empty"):
+                    multi.add(name)  # a fallback kernel: its outputs are named next
+                    for out in named_from.get(name, ()):
+                        pending[out] = mem.new(_buffer_bytes(graph, out, tag))
+                        mem.acquire(pending[out])
             elif re.match(r"^buf\d+$", name):
                 raise UnreadableCodeError(f"{tag}: {stmt!r} makes {name}, whose size Inductor did not record")
             else:

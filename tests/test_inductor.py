@@ -84,12 +84,38 @@ def test_the_walk_counts_allocations_reuse_multi_outputs_and_returns_as_inductor
     mem = _Storages(peak)
     outs = _walk(graph, "forward", mem, [None, None])
     # buf0 (128 B) + dropout's two outputs (128 + 32) live, then buf5 (4 float64 = 32 B) joins them;
-    # buf2 is freed before the single-output fallback's buf7 (5056 B) is made
+    # buf2 is freed before the single-output fallback (buf6) makes its output buf7 (5056 B)
     assert peak.peak_bytes == 128 + 32 + 32 + 5056
-    assert peak.peak_node == "forward:buf7"
+    assert peak.peak_node == "forward:buf6"
     # returned: buf5, a view of buf4 (buf0's storage, reused), buf3, an input, None
     assert [mem.bytes[s] if s is not None else None for s in outs] == [32, 128, 32, None, None]
     assert mem.live_bytes == 32 + 128 + 32  # buf2 was freed; the returned three are held by the caller
+
+
+def test_a_fallback_kernels_outputs_are_counted_at_its_call_with_its_inputs_alive():
+    """Inductor names a fallback kernel's outputs after the call, and may ``del`` its inputs in between
+    (Mixtral's grouped-mm backward at the benchmark size): the outputs exist while the inputs do."""
+    source = """
+class Runner:
+    def call(self, args):
+        primals_1, = args
+        args.clear()
+        buf0 = empty_strided_cpu((64, ), (1, ), torch.float32)
+        cpp_fused_0(primals_1, buf0)
+        buf1 = torch.ops.aten.sort.default(buf0)
+        del buf0
+        buf2 = buf1[0]
+        buf3 = buf1[1]
+        del buf1
+        return (buf2, buf3, )
+runner = Runner(partitions=[])
+"""
+    graph = InductorGraph(fn=None, source=source, buffer_bytes={"buf1": 0, "buf2": 256, "buf3": 512})
+    peak = EmittedPeak()
+    mem = _Storages(peak)
+    outs = _walk(graph, "forward", mem, [None])
+    assert (peak.peak_bytes, peak.peak_node) == (256 + 256 + 512, "forward:buf1")  # was 768: buf0 gone first
+    assert [mem.bytes[s] for s in outs] == [256, 512] and mem.live_bytes == 768
 
 
 def test_the_walk_refuses_a_line_it_cannot_size():
