@@ -141,21 +141,18 @@ def recompute_unread(node: fx.Node) -> list[str]:
     return [a.name for a in node.args[3:5] if isinstance(a, fx.Node) and a not in other]
 
 
-def _dropout_free(node: fx.Node) -> bool:
+def _dropout_free_seeded(node: fx.Node) -> bool:
     """Whether a seeded op draws nothing here: its ``dropout_p`` argument is the constant 0 (the
     attention kernels, ``_scaled_dot_product_flash_attention_for_cpu`` and its CUDA kin, are tagged
     random for their dropout alone; at ``dropout_p=0`` they compute the same output every time)."""
-    for i, arg in enumerate(node.target._schema.arguments):
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, arg in enumerate(target._schema.arguments):
         if arg.name == "dropout_p":
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
             return isinstance(value, (int, float)) and value == 0
     return False
-
-
-def _dropout_free_seeded(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
-        and not target._schema.is_mutable and _dropout_free(node)
 
 
 def _never_recompute(node: fx.Node) -> str | None:
@@ -173,7 +170,7 @@ def _never_recompute(node: fx.Node) -> str | None:
             return (f"reads {a.meta[MUTATED_INPUT]}, which the step mutates in place (in backward it no "
                     f"longer holds the forward's value)")
     if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_free(node):
+        if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_free_seeded(node):
             return f"random op {target} (its RNG state is not replayed)"
         if target._schema.is_mutable:
             return f"mutates its input ({target})"

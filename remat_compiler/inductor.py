@@ -159,7 +159,6 @@ _ASSIGN = re.compile(rf"^({_NAME}) = (.+)$")
 _EMPTY = re.compile(r"^empty_strided\w*\(\(([^)]*)\), \(([^)]*)\),.*?(torch\.\w+)")
 _ALIAS = re.compile(rf"^(?:reinterpret_tensor\()?({_NAME})(?:,.*\))?$")
 _ITEM = re.compile(rf"^({_NAME})\[(\d+)\]$")
-_BARE = re.compile(rf"^({_NAME})$")
 _UNPACK = re.compile(rf"^((?:{_NAME}, )*{_NAME},?) = args$")
 
 
@@ -252,7 +251,7 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
     # those inputs: the outputs are counted at the call (``pending``), and handed to their names later
     named_from: dict[str, list[str]] = {}
     for stmt in statements:
-        if (m := _ASSIGN.match(stmt)) and (item := _ITEM.match(m.group(2)) or _BARE.match(m.group(2))):
+        if (m := _ASSIGN.match(stmt)) and (item := _ITEM.match(m.group(2)) or _ALIAS.match(m.group(2))):
             named_from.setdefault(item.group(1), []).append(m.group(1))
     pending: dict[str, int] = {}
 
@@ -260,10 +259,6 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
         if name not in frame:
             raise UnreadableCodeError(f"{tag}: del of {name}, which is not defined")
         mem.release(frame.pop(name))
-        if name in multi:
-            for out in named_from.get(name, ()):  # outputs never named die with the kernel's tuple
-                if out in pending:
-                    mem.release(pending.pop(out))
 
     def bind(name: str, sid: int | None) -> None:
         if name in frame:
@@ -307,8 +302,6 @@ def _walk(graph: InductorGraph, tag: str, mem: _Storages, bound: list[int | None
                 if name in frame:
                     drop(name)
                 frame[name] = pending.pop(name)
-            elif (a and a.group(1) in multi) or (item and item.group(1) in multi):
-                bind(name, mem.new(_buffer_bytes(graph, name, tag)))
             elif a and a.group(1) in frame:
                 bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
             elif (empty := _EMPTY.match(expr)) is not None:
