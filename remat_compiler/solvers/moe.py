@@ -85,7 +85,7 @@ def _segments_or_raise(cg: CostGraph, name: str) -> dict[str, dict[str, list[str
     if not segments:
         raise StrategyNotApplicableError(
             f"{name} needs an MoE block in the model (remat_compiler.moe.MoELayer, or a transformers MoE "
-            f"block that passes.moe.MOE_BLOCKS names: Mixtral's, OLMoE's, Qwen3-MoE's, DeepSeek-V3's); "
+            f"block that passes.moe.MOE_BLOCKS names: Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's); "
             f"none was found in the traced graph. Use solver='cpsat' for other models")
     return segments
 
