@@ -14,7 +14,9 @@ dict with the keys
                a ``shared_expert`` MLP scaled by a sigmoid ``shared_expert_gate``, then added)
 ``role``       one of :data:`ROLES`, see below
 ``fused``      True on the nodes of the MoELayer's fused GEMM2 -> A2A -> Unpermute
-               (``combine="fused"``, :class:`remat_compiler.moe.FusedCombine`), else False
+               (``combine="fused"``, :class:`remat_compiler.moe.FusedCombine`) and of an HF
+               experts module's fused down projection + combine (its ``fused_combine`` child,
+               :func:`remat_compiler.moe.hf.hf_fused_combine_mode`), else False
 =============  ========================================================================================
 
 Roles of forward nodes, in the order the forward runs them:
@@ -37,7 +39,8 @@ Roles of forward nodes, in the order the forward runs them:
 
 For :class:`~remat_compiler.moe.MoELayer` the role is the submodule that ran the node
 (``router`` ... ``unpermute``); in fused mode the ``fused_combine`` submodule's GEMM is ``gemm2``,
-its collectives ``combine_a2a`` and the rest ``unpermute``. An HF block's ``experts`` runs every step in
+its collectives ``combine_a2a`` and the rest ``unpermute``; an HF experts module's
+``fused_combine`` child is roled by data flow like the rest of the module. An HF block's ``experts`` runs every step in
 one module (grouped or batched matmuls), so its forward roles come from data flow: the first and last
 expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
 gathers that feed them, i.e. the nodes whose ancestry inside the module reaches a parameter
@@ -268,6 +271,7 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
             role = _LAYER_CHILDREN.get(head, "experts")
         elif head == _HF_EXPERTS:
             role = experts.get(n, "act" if rest.startswith("act_fn") else "experts")
+            fused = rest.partition(".")[0] == _FUSED_CHILD
         elif head in _HF_SHARED:
             role = "shared"
         else:
