@@ -6,8 +6,8 @@ outweigh the experts' weights: ``moe_fast`` over the graph as the model is, ``mo
 ``moe_cpsat`` over the graph traced with the fused combine. Each: gradients allclose to eager's,
 measured peak = predicted, under the budget; ``moe_custom`` saves exactly ``y`` (and the inverse
 permutation that only ``y``'s reordering needed) less than ``moe_fast`` per layer, and no GEMM2 or
-unpermute value. The swap restores the model and keeps its forward bit for bit; the custom op matches
-autograd in float64.
+unpermute value. In bfloat16 under Mixtral's float32 router too. The swap restores the model and keeps
+its forward bit for bit; the custom op matches autograd in float64.
 """
 from __future__ import annotations
 
@@ -103,6 +103,38 @@ def test_custom_saves_no_y(runs):
     assert "gemm2" in _roles(fast_cg, fast.plan.saved)  # the eager graph's backward reads y
     assert not {"gemm2", "unpermute"} & set(_roles(cg, custom.plan.saved)), runs["family"]
     assert "gemm2" not in _roles(cpsat.planned.cg, cpsat.plan.saved), runs["family"]
+
+
+def test_bfloat16_experts_under_a_float32_router():
+    """Mixtral cast to bfloat16 keeps float32 routing weights (its router's softmax is float32): the
+    fused backward runs in the experts' dtype; its gradients are as near float32's as eager's, and it
+    saves the bfloat16 y and the inverse permutation less than moe_fast."""
+    model, inputs, _ = build("mixtral", batch=BATCH, seq=SEQ)
+    _, want = _step(model, model, inputs)  # float32
+    model = model.to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    _, eager = _step(ref, ref, inputs)
+    plans = {}
+    for solver in ("moe_fast", "moe_custom"):
+        net = copy.deepcopy(model)
+        m = rc.compile(net, solver=solver)
+        _step(net, m, inputs)
+        with LiveStorageTracker() as mem:
+            _, grads = _step(net, m, inputs)
+        assert mem.peak_bytes == m.plan.peak_bytes, solver
+        plans[solver] = m
+    cg = plans["moe_custom"].planned.cg
+    assert any((cg.attr(n, "moe") or {}).get("fused") for n in cg.g.nodes)
+
+    def rel(got, name):
+        return ((got[name].float() - want[name]).norm() / want[name].norm()).item()
+
+    for name in want:  # grads holds moe_custom's
+        assert rel(grads, name) <= 2 * rel(eager, name) + 2 ** -8, (name, rel(grads, name), rel(eager, name))
+    layers, k = FAMILIES["mixtral"]
+    rows = inputs["input_ids"].numel() * k
+    saved = {s: m.plan.saved_bytes for s, m in plans.items()}
+    assert saved["moe_fast"] - saved["moe_custom"] == layers * (rows * HIDDEN * 2 + rows * 8), saved
 
 
 def test_swap_restores_the_model_and_keeps_forward_outputs():

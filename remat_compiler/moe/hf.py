@@ -141,10 +141,11 @@ class GroupedFusedCombine(torch.autograd.Function):
         need_act, need_w2, _, need_probs = ctx.needs_input_grad[:4]
         grad_act = grad_w2 = grad_probs = None
         if need_act or need_w2 or need_probs:
-            grad_rows = grad_out[token_g]  # [S, H]: G of each sorted row's token
-            grad_act, dp, grad_w2 = grouped_combine_dgrad(grad_rows, w2, act, probs_g.unsqueeze(-1),
-                                                          offsets, need_w2)
-            grad_probs = dp.view(-1) if need_probs else None
+            # in the experts' dtype (a float32 router over bfloat16 experts: G and p are float32)
+            grad_rows = grad_out.to(act.dtype)[token_g]  # [S, H]: G of each sorted row's token
+            p_rows = probs_g.to(act.dtype).unsqueeze(-1)
+            grad_act, dp, grad_w2 = grouped_combine_dgrad(grad_rows, w2, act, p_rows, offsets, need_w2)
+            grad_probs = dp.view(-1).to(probs_g.dtype) if need_probs else None
         return (grad_act if need_act else None, grad_w2 if need_w2 else None, None, grad_probs,
                 None, None, None)
 
@@ -160,13 +161,15 @@ class GroupedFusedCombineStep(nn.Module):
 def _fused_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm_experts_forward`` for the pattern :func:`why_not_fusable` accepts,
-    with the down projection and the weighted combine run by the ``fused_combine`` child. Where the
-    dtypes of the hidden states, weights and routing weights differ (autocast, a float32 router over
-    bfloat16 experts) it runs transformers' forward unfused."""
+    with the down projection and the weighted combine run by the ``fused_combine`` child. The routing
+    weights may be wider than the experts (Mixtral's and DeepSeek-V3's routers give float32 ones to
+    bfloat16 experts: the weighted rows and their sum are float32, as transformers computes them); where
+    the hidden states and the two weights differ in dtype (autocast) it runs transformers' forward
+    unfused."""
     from transformers.integrations.moe import _grouped_linear, grouped_mm_experts_forward
 
-    dtypes = {hidden_states.dtype, top_k_weights.dtype, self.gate_up_proj.dtype, self.down_proj.dtype}
-    if len(dtypes) != 1:
+    dtypes = {hidden_states.dtype, self.gate_up_proj.dtype, self.down_proj.dtype}
+    if len(dtypes) != 1 or not top_k_weights.is_floating_point():
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     num_top_k = top_k_index.size(-1)
     sample_weights = top_k_weights.reshape(-1)  # (S,)
