@@ -39,10 +39,10 @@ Roles of forward nodes, in the order the forward runs them:
 
 For :class:`~remat_compiler.moe.MoELayer` the role is the submodule that ran the node
 (``router`` ... ``unpermute``); in fused mode the ``fused_combine`` submodule's GEMM is ``gemm2``,
-its collectives ``combine_a2a`` and the rest ``unpermute``; an HF experts module's
-``fused_combine`` child is roled by data flow like the rest of the module. An HF block's ``experts`` runs every step in
-one module (grouped or batched matmuls), so its forward roles come from data flow: the first and last
-expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
+its collectives ``combine_a2a`` and the rest ``unpermute``. An HF block's ``experts`` runs every step in
+one module (grouped or batched matmuls; with the fused combine, the down projection and the weighted
+sum in its ``fused_combine`` child, roled with the rest of the module), so its forward roles come from
+data flow: the first and last expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
 gathers that feed them, i.e. the nodes whose ancestry inside the module reaches a parameter
 placeholder), the nodes between them ``act``, earlier
 nodes ``permute`` and later ones ``unpermute``; if the module does not have exactly two GEMMs its

@@ -1,4 +1,4 @@
-"""The fused down projection + combine for transformers' MoE experts (issue 16 A, :mod:`remat_compiler.moe.hf`).
+"""The fused down projection + combine of transformers' MoE experts (issue 16 A, remat_compiler.moe.hf).
 
 Mixtral (a sparse block) and Qwen2-MoE (routed experts beside a gated shared expert), built by
 :mod:`examples.zoo` at their default configs (sizes shrunk), at 128 tokens so that the activations
@@ -182,7 +182,8 @@ def test_grouped_combine_dgrad_against_autograd():
     y = torch.einsum("sf,shf->sh", act, w2[expert])
     torch.autograd.backward(p * y, grad)
     with torch.utils.flop_counter.FlopCounterMode(display=False) as flops:
-        grad_act, dp, grad_w2 = grouped_combine_dgrad(grad, w2.detach(), act.detach(), p.detach(), offsets, True)
+        grad_act, dp, grad_w2 = grouped_combine_dgrad(grad, w2.detach(), act.detach(), p.detach(), offsets,
+                                                      True)
     torch.testing.assert_close(grad_act, act.grad)
     torch.testing.assert_close(dp, p.grad)
     torch.testing.assert_close(grad_w2, w2.grad)

@@ -114,7 +114,7 @@ def _assert_moe_segments(family, cg, tokens):
         assert gemms == {"gemm1": [(tokens * k, 2 * f)], "gemm2": [(tokens * k, h)]}, (family, seg)
         assert [cg.attr(n, "op") for n in roles["act"] if cg.attr(n, "bytes")] == \
             ["aten.silu.default", "aten.mul.Tensor"], (family, seg)
-        if kind == "hf_shared_moe":  # every shared-expert node (Qwen2-MoE's gate too), only those, is "shared"
+        if kind == "hf_shared_moe":  # the shared experts' nodes (Qwen2-MoE's gate too): "shared", no other
             shared = [n for n in cg.fw_order if cg.attr(n, "module").startswith(f"{seg}.shared_expert")]
             assert shared and sorted(shared) == sorted(roles["shared"]), (family, seg)
     attention = [n for n in cg.fw_order if ".self_attn" in cg.attr(n, "module")]

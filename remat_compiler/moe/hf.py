@@ -81,7 +81,7 @@ def grouped_combine_dgrad(grad_rows: torch.Tensor, w2: torch.Tensor, act: torch.
 
     Example
     -------
-    >>> grad_act, dp, grad_w2 = grouped_combine_dgrad(g_rows, down_proj, act, p_rows, offsets, True)  # doctest: +SKIP
+    >>> grad_act, dp, grad_w2 = grouped_combine_dgrad(g, down_proj, act, p, offsets, True)  # doctest: +SKIP
     """
     buf = torch.mul(act, p_rows)  # p * a: the wgrad's scaled operand, [S, F]
     grad_w2 = grad_rows.new_zeros(w2.shape) if need_w2 else grad_rows.new_empty(0)
