@@ -195,7 +195,8 @@ def why_not_fusable(experts: nn.Module) -> str | None:
 
     It can when it is a transformers experts module (``@use_experts_implementation``) running
     transformers' ``grouped_mm`` forward, gated (``gate_up_proj`` concatenated), without biases, post
-    norm or transposed weights, and not expert-parallel.
+    norm or transposed weights, and not expert-parallel. One more condition is met only per call, so
+    it is not checked here: the hidden states come in the weights' dtype (not under autocast).
 
     Parameters
     ----------
