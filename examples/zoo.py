@@ -59,6 +59,12 @@ def _configs():
         # loss step never reads, so it stays
         "olmoe": lambda: _causal("OlmoeConfig", "OlmoeForCausalLM", intermediate_size=16,
                                  num_key_value_heads=2, num_experts=16),
+        # Qwen2-MoE: top-4 routed experts beside one shared expert MLP scaled by a sigmoid gate (its
+        # default width is the dense intermediate_size, four times the routed experts'); 8 of the
+        # default 60 experts, so that the experts' weights do not dwarf the activations at 32 tokens
+        "qwen2_moe": lambda: _causal("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=2,
+                                     moe_intermediate_size=16, shared_expert_intermediate_size=64,
+                                     num_experts=8),
         "qwen3_moe": lambda: _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_key_value_heads=1,
                                      head_dim=16, moe_intermediate_size=16, num_experts=16),
         "t5": lambda: _t5(),
@@ -138,7 +144,7 @@ def _resnet():
 
 FAMILIES = tuple(_configs())
 # the families whose MoE blocks passes.moe recognises (moe_origin / moe_fast apply to them)
-MOE_FAMILIES = ("mixtral", "deepseek_v3", "olmoe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "deepseek_v3", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def _inputs(kind: str, batch: int, seq: int, gen: torch.Generator) -> dict:

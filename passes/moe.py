@@ -10,10 +10,13 @@ dict with the keys
                (transformers' ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``,
                ``Qwen3MoeSparseMoeBlock``: a ``gate`` router and a fused ``experts`` module) or
                ``"hf_shared_moe"`` (``DeepseekV3MoE``: the same two plus a dense ``shared_experts``
-               MLP that every token runs, added to the routed output)
+               MLP that every token runs, added to the routed output; ``Qwen2MoeSparseMoeBlock``:
+               a ``shared_expert`` MLP scaled by a sigmoid ``shared_expert_gate``, then added)
 ``role``       one of :data:`ROLES`, see below
 ``fused``      True on the nodes of the MoELayer's fused GEMM2 -> A2A -> Unpermute
-               (``combine="fused"``, :class:`remat_compiler.moe.FusedCombine`), else False
+               (``combine="fused"``, :class:`remat_compiler.moe.FusedCombine`) and of an HF
+               experts module's fused down projection + combine (its ``fused_combine`` child,
+               :func:`remat_compiler.moe.hf.hf_fused_combine_mode`), else False
 =============  ========================================================================================
 
 Roles of forward nodes, in the order the forward runs them:
@@ -26,7 +29,9 @@ Roles of forward nodes, in the order the forward runs them:
 - ``dispatch_a2a`` / ``combine_a2a``: the two all-to-alls (and their layout reshapes);
 - ``gemm1``, ``act`` (SwiGLU: everything between the two GEMMs), ``gemm2``;
 - ``unpermute``: weighting by probs and summing each token's rows;
-- ``shared``: the shared experts (DeepSeek-V3's ``shared_experts`` MLP), which run on every token
+- ``shared``: the shared experts (DeepSeek-V3's ``shared_experts`` MLP; Qwen2-MoE's ``shared_expert``
+  MLP and its ``shared_expert_gate`` linear, whose sigmoid and product the block itself computes
+  and so are ``output``), which run on every token
   beside the routed ones: ``moe_origin`` recomputes them with the rest of the segment, ``moe_fast``
   saves what their backward reads (only the routed experts' activation is recomputed);
 - ``output``: the block's own nodes after the experts (the reshape back, the sum with the shared
@@ -35,8 +40,9 @@ Roles of forward nodes, in the order the forward runs them:
 For :class:`~remat_compiler.moe.MoELayer` the role is the submodule that ran the node
 (``router`` ... ``unpermute``); in fused mode the ``fused_combine`` submodule's GEMM is ``gemm2``,
 its collectives ``combine_a2a`` and the rest ``unpermute``. An HF block's ``experts`` runs every step in
-one module (grouped or batched matmuls), so its forward roles come from data flow: the first and last
-expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
+one module (grouped or batched matmuls; with the fused combine, the down projection and the weighted
+sum in its ``fused_combine`` child, roled with the rest of the module), so its forward roles come from
+data flow: the first and last expert GEMMs are ``gemm1`` and ``gemm2`` (with views of their outputs, and the weight views and
 gathers that feed them, i.e. the nodes whose ancestry inside the module reaches a parameter
 placeholder), the nodes between them ``act``, earlier
 nodes ``permute`` and later ones ``unpermute``; if the module does not have exactly two GEMMs its
@@ -69,13 +75,14 @@ ROLES = ("input", "router", "probs", "routing", "permute", "dispatch_a2a", "gemm
 # block class -> kind
 MOE_BLOCKS = {"MoELayer": "moe_layer", "MixtralSparseMoeBlock": "hf_sparse_moe",
               "OlmoeSparseMoeBlock": "hf_sparse_moe", "Qwen3MoeSparseMoeBlock": "hf_sparse_moe",
-              "DeepseekV3MoE": "hf_shared_moe"}
+              "DeepseekV3MoE": "hf_shared_moe", "Qwen2MoeSparseMoeBlock": "hf_shared_moe"}
 
 _LAYER_CHILDREN = {"router": "router", "permute": "permute", "dispatch": "dispatch_a2a",
                    "gemm1": "gemm1", "act": "act", "gemm2": "gemm2", "combine": "combine_a2a",
                    "unpermute": "unpermute"}
 _FUSED_CHILD = "fused_combine"
-_HF_ROUTER, _HF_EXPERTS, _HF_SHARED = "gate", "experts", "shared_experts"
+_HF_ROUTER, _HF_EXPERTS = "gate", "experts"
+_HF_SHARED = ("shared_experts", "shared_expert", "shared_expert_gate")  # DeepSeek-V3's; Qwen2-MoE's
 _GEMM_OPS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm",
              "grouped_mm_fallback"}
 
@@ -234,7 +241,7 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
     fw = [n for n in nodes if n.meta.get(PHASE) == "fw"]
     router_child = "router" if kind == "moe_layer" else _HF_ROUTER
     router_fw = [n for n in fw if children[n][0] == router_child]
-    computed = {n for n in fw if children[n][0] in (_HF_EXPERTS, _HF_SHARED)}
+    computed = {n for n in fw if children[n][0] == _HF_EXPERTS or children[n][0] in _HF_SHARED}
     after_experts: set[fx.Node] = set()  # forward nodes reading (through the block) an expert's result
     for n in fw:  # graph order: a node's inputs come first
         if any(p in computed or p in after_experts for p in n.all_input_nodes):
@@ -264,7 +271,8 @@ def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, t
             role = _LAYER_CHILDREN.get(head, "experts")
         elif head == _HF_EXPERTS:
             role = experts.get(n, "act" if rest.startswith("act_fn") else "experts")
-        elif head == _HF_SHARED:
+            fused = rest.partition(".")[0] == _FUSED_CHILD
+        elif head in _HF_SHARED:
             role = "shared"
         else:
             role = "experts"

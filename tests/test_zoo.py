@@ -5,7 +5,7 @@ one between it and no recompute:
 gradients allclose to eager's (None where eager's are None), the measured peak under the budget and
 equal to the prediction, buffers (BatchNorm statistics) equal to eager's.
 
-The MoE families added for issue 16 (DeepSeek-V3, OLMoE, Qwen3-MoE) are checked at one budget
+The MoE families added for issue 16 (DeepSeek-V3, OLMoE, Qwen2-MoE, Qwen3-MoE) are checked at one budget
 instead, and under the hand-picked MoE strategies, with their segments' roles: the smallest-budget
 search costs 40-60 s per MoE family on this machine, and the suite is at its time limit."""
 from __future__ import annotations
@@ -48,6 +48,7 @@ def _eager(model, inputs):
 MOE_AT_ONE_BUDGET = {
     "deepseek_v3": (["model.model.layers.1.mlp"], "hf_shared_moe", 8),
     "olmoe": (["model.model.layers.0.mlp", "model.model.layers.1.mlp"], "hf_sparse_moe", 8),
+    "qwen2_moe": (["model.model.layers.0.mlp", "model.model.layers.1.mlp"], "hf_shared_moe", 4),
     "qwen3_moe": (["model.model.layers.0.mlp", "model.model.layers.1.mlp"], "hf_sparse_moe", 8),
 }
 MOE_ROLES = {"input", "router", "probs", "routing", "permute", "gemm1", "act", "gemm2", "unpermute", "output"}
@@ -55,9 +56,11 @@ MOE_BUDGET = 0.9
 # Llama's decoder again (RMSNorm, rotary, SwiGLU, grouped-query sdpa): the smallest budget only, where
 # the plan recomputes most; their partial-recompute midpoint is Llama's (the suite's time is bounded)
 SMALLEST_ONLY = {"mistral", "qwen2", "qwen3", "phi3"}
-# the hand-picked strategies each family runs besides CP-SAT: both on DeepSeek's shared-expert block,
-# one each on the two sparse blocks of the same kind (each family's step costs seconds: 16 experts)
-MOE_STRATEGIES = {"deepseek_v3": ("moe_origin", "moe_fast"), "olmoe": ("moe_fast",), "qwen3_moe": ("moe_origin",)}
+# the hand-picked strategies each family runs besides CP-SAT: both on the two shared-expert blocks
+# (DeepSeek-V3's, Qwen2-MoE's gated one), one each on the two sparse blocks of the same kind (each
+# family's step costs seconds: 16 experts)
+MOE_STRATEGIES = {"deepseek_v3": ("moe_origin", "moe_fast"), "olmoe": ("moe_fast",),
+                  "qwen2_moe": ("moe_origin", "moe_fast"), "qwen3_moe": ("moe_origin",)}
 
 
 def _assert_same(family, label, got, want):
@@ -111,8 +114,8 @@ def _assert_moe_segments(family, cg, tokens):
         assert gemms == {"gemm1": [(tokens * k, 2 * f)], "gemm2": [(tokens * k, h)]}, (family, seg)
         assert [cg.attr(n, "op") for n in roles["act"] if cg.attr(n, "bytes")] == \
             ["aten.silu.default", "aten.mul.Tensor"], (family, seg)
-        if kind == "hf_shared_moe":  # every shared-expert node, and only those, is "shared"
-            shared = [n for n in cg.fw_order if cg.attr(n, "module").startswith(f"{seg}.shared_experts")]
+        if kind == "hf_shared_moe":  # the shared experts' nodes (Qwen2-MoE's gate too): "shared", no other
+            shared = [n for n in cg.fw_order if cg.attr(n, "module").startswith(f"{seg}.shared_expert")]
             assert shared and sorted(shared) == sorted(roles["shared"]), (family, seg)
     attention = [n for n in cg.fw_order if ".self_attn" in cg.attr(n, "module")]
     assert attention and all(not cg.attr(n, "moe") for n in attention), family

@@ -28,6 +28,7 @@ from torch import nn
 from ._dist import (all_gather_counts, dropless_route, experts_to_rows, expert_to_token, group_rank,
                     group_world_size, rows_to_experts, token_to_expert)
 from .combine import fused_combine, weighted_unpermute
+from .hf import hf_fused_combine_mode
 
 __all__ = [
     "MoELayer",
@@ -536,7 +537,9 @@ def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacit
 
 @contextlib.contextmanager
 def fused_combine_mode(model: torch.nn.Module):
-    """Set ``combine_mode = "fused"`` on every :class:`MoELayer` of ``model``; restore it on exit.
+    """Set ``combine_mode = "fused"`` on every :class:`MoELayer` of ``model``, and run every transformers
+    MoE block whose experts follow the fused pattern with the fused combine
+    (:func:`~remat_compiler.moe.hf.hf_fused_combine_mode`); restore both on exit.
 
     Example
     -------
@@ -548,7 +551,8 @@ def fused_combine_mode(model: torch.nn.Module):
     try:
         for m in layers:
             m.combine_mode = "fused"
-        yield model
+        with hf_fused_combine_mode(model):
+            yield model
     finally:
         for m, mode in zip(layers, before):
             m.combine_mode = mode

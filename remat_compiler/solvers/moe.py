@@ -15,7 +15,9 @@ saves what backward reads there (as :func:`~remat_compiler.schedule.save_all_set
 ``moe_custom``  ``moe_fast`` over the graph traced with the fused GEMM2 -> A2A -> Unpermute
                 (``MoELayer(combine="fused")``), whose backward never needs the expert output y:
                 its registry entry's ``prepare`` (:func:`~remat_compiler.moe.layer.fused_combine_mode`)
-                switches every MoELayer to ``combine="fused"`` while the step is traced
+                switches every MoELayer to ``combine="fused"`` while the step is traced, and every
+                transformers MoE block whose experts follow the pattern to the fused down
+                projection + combine (:mod:`remat_compiler.moe.hf`)
 ``moe_cpsat``   CP-SAT (``solve_cpsat``, same options) over the fused-combine graph
 ==============  ===================================================================================
 
@@ -85,7 +87,7 @@ def _segments_or_raise(cg: CostGraph, name: str) -> dict[str, dict[str, list[str
     if not segments:
         raise StrategyNotApplicableError(
             f"{name} needs an MoE block in the model (remat_compiler.moe.MoELayer, or a transformers MoE "
-            f"block that passes.moe.MOE_BLOCKS names: Mixtral's, OLMoE's, Qwen3-MoE's, DeepSeek-V3's); "
+            f"block that passes.moe.MOE_BLOCKS names: Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's); "
             f"none was found in the traced graph. Use solver='cpsat' for other models")
     return segments
 
@@ -182,9 +184,12 @@ def _require_fused(cg: CostGraph, name: str) -> None:
     for seg, roles in segments.items():
         if not any(cg.attr(n, "moe")["fused"] for n in _members(roles)):
             raise StrategyNotApplicableError(
-                f"{name}: MoE segment {seg!r} was not traced with the fused combine (only "
-                f"remat_compiler.moe.MoELayer has one, and compile(..., solver={name!r}) traces every "
-                f"MoELayer with combine='fused'); use solver='moe_fast' or 'cpsat' for this model")
+                f"{name}: MoE segment {seg!r} was not traced with the fused combine (compile(..., "
+                f"solver={name!r}) traces every remat_compiler.moe.MoELayer with combine='fused', and "
+                f"a transformers MoE block with it where its experts run transformers' default "
+                f"experts_implementation='grouped_mm' with gated, bias-free, untransposed weights in "
+                f"one dtype: remat_compiler.moe.hf.why_not_fusable(block.experts) says why one does "
+                f"not); use solver='moe_fast' or 'cpsat' for this model")
 
 
 def solve_moe_custom(cg: CostGraph, budget_bytes: int | None) -> Plan:
