@@ -112,7 +112,8 @@ def test_a_deadline_hands_out_slices_of_what_is_left():
 def test_the_warm_start_ends_by_its_share_and_the_search_gets_the_model_it_built(monkeypatch):
     """Past ``SHARES["end"]`` of the time limit the composition and the tied blocks are not started
     (the search keeps its time); before it they get their shares, bounded by that end. The tied
-    blocks search a copy of the job's model, which the search then uses unhinted (built once)."""
+    blocks search a copy of the job's model, which the search then uses unhinted (built once). A
+    FLOP-free heuristic plan under ``objective="flops"`` skips them."""
     from remat_compiler.solvers.cpsat import warmstart
     from remat_compiler.solvers.cpsat.run import Job
     from tests.test_determinism import stack_graph
@@ -132,6 +133,12 @@ def test_the_warm_start_ends_by_its_share_and_the_search_gets_the_model_it_built
                    block_reuse_share=0.4)
     assert [name for name, _ in calls] == ["composition", "tied"]
     assert calls[0][1] <= warmstart.COMPOSITION_CAP_S and calls[1][1] <= 40.0
+    # under objective="flops" a heuristic plan recomputing no counted FLOPs is FLOP-optimal: no block phase
+    calls.clear()
+    monkeypatch.setattr(warmstart, "flop_gap", lambda *_: 0.0)
+    free = warmstart.seed(Job(cg, budget, "flops", Deadline(100.0)), heuristics=True, block_reuse=True,
+                          block_reuse_share=0.4)
+    assert calls == [] and free.saved is not None and peak_of(cg, free.saved) <= budget
     job = Job(cg, budget, "runtime", Deadline(10.0))
     tied = real_tied(job, 2.0)
     assert tied is not None and peak_of(cg, tied) <= budget
