@@ -171,22 +171,18 @@ def _fused_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     dtypes = {hidden_states.dtype, self.gate_up_proj.dtype, self.down_proj.dtype}
     if len(dtypes) != 1 or not top_k_weights.is_floating_point():
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    num_top_k = top_k_index.size(-1)
-    sample_weights = top_k_weights.reshape(-1)  # (S,)
-    expert_ids = top_k_index.reshape(-1)  # (S,)
-    expert_ids_g, perm = torch.sort(expert_ids)
-    token_g = perm // num_top_k
-    selected_hidden_states_g = hidden_states[token_g]
-    sample_weights_g = sample_weights[perm]
-    device = hidden_states.device
-    histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
-    tokens_per_expert = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    proj_out = _grouped_linear(selected_hidden_states_g, self.gate_up_proj, offsets, bias=None,
-                               is_transposed=False)  # (S, 2 * intermediate_dim)
-    proj_out = self._apply_gate(proj_out)  # (S, intermediate_dim)
-    out = getattr(self, FUSED_CHILD)(proj_out, self.down_proj, offsets, sample_weights_g, perm, token_g,
-                                     num_top_k)
+    k = top_k_index.size(-1)
+    # the S = T * k (token, slot) copies, sorted by expert: row s holds copy order[s], of token s_token[s]
+    sorted_experts, order = torch.sort(top_k_index.reshape(-1))
+    s_token = order // k
+    s_prob = top_k_weights.reshape(-1)[order]
+    # rows per expert as grouped_mm's cumulative offsets (histc takes floats on the CPU, ints on CUDA)
+    counted = sorted_experts.float() if hidden_states.device.type in ("cpu", "mps") else sorted_experts.int()
+    offsets = torch.cumsum(torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1),
+                           dim=0, dtype=torch.int32)
+    gate_up = _grouped_linear(hidden_states[s_token], self.gate_up_proj, offsets, bias=None, is_transposed=False)
+    act = self._apply_gate(gate_up)  # [S, F]
+    out = getattr(self, FUSED_CHILD)(act, self.down_proj, offsets, s_prob, order, s_token, k)
     return out.to(hidden_states.dtype)
 
 

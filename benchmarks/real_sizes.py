@@ -1,0 +1,179 @@
+"""Real sizes (issue 15): Mistral-7B- and 70B-shaped models planned for an H100 from this CPU-only machine.
+
+Each shape is a ``MistralConfig`` built on the meta device (no weights: planning needs shapes and
+dtypes only), in bfloat16, batch 1, trained on its own loss (``model(input_ids=ids, labels=ids)``,
+the logits let go). Each (shape, seq) point runs in a fresh process, so that the planner's own peak
+RSS is the point's (``ru_maxrss``). In it:
+
+1. the step is traced and analysed once for the ``h100`` preset (CUDA's units, vendor rates);
+2. the no-recompute plan and the checkpoint-every-block plan (peak, FLOP ratio);
+3. CP-SAT at three budgets on the line from checkpointing's peak to the no-recompute peak: at
+   checkpointing's peak (where a plan has to beat it), halfway (the issue's target point) and three
+   quarters of the way. Each solve has the shape's time limit (60 s for 7B, 120 s for 70B: the targets)
+   and minimises counted FLOPs (``objective="flops"``), so its proven gap is the FLOP gap the targets
+   name. Reported per plan: predicted peak, FLOP ratio (step FLOPs with recompute over without),
+   estimated step time on the H100 preset (roofline, communication-free here), solve wall time, status
+   and proven gap.
+
+Run::
+
+    python -m benchmarks.real_sizes                                  # both shapes, seq 4096/8192/16384
+    python -m benchmarks.real_sizes --shapes 7b --seqs 8192 --markdown /tmp/rs.md --json /tmp/rs.json
+
+The sdpa kernels of these models trace as CPU kernels on a CPU-only build (a ``DeviceTraceWarning``
+says so): the plans are for that graph, which is the one a GPU build traces with
+``attn_implementation="eager"`` changed for sdpa's fused kernel (see :mod:`remat_compiler.trace`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import warnings
+
+__all__ = ["SHAPES", "FRACTIONS", "mistral_config", "plan_point", "format_markdown", "main"]
+
+#: Mistral-family shapes (issue 15): layers, hidden, FFN, heads, KV heads, vocab; the solve's time limit.
+SHAPES = {
+    "7b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32768, time_limit_s=60.0),
+    "70b": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=32768, time_limit_s=120.0),
+}
+#: Where each budget lies between checkpoint-every-block's peak (0) and the no-recompute peak (1).
+FRACTIONS = ((0.0, "checkpoint's peak"), (0.5, "halfway"), (0.75, "3/4 of the way"))
+GIB = 1 << 30
+
+
+def mistral_config(shape: str, seq: int):
+    """The ``MistralConfig`` of a :data:`SHAPES` entry, its position limit at least ``seq``."""
+    from transformers import MistralConfig
+
+    sizes = {k: v for k, v in SHAPES[shape].items() if k != "time_limit_s"}
+    return MistralConfig(**sizes, max_position_embeddings=max(32768, seq), dtype="bfloat16")
+
+
+def _flop_ratio(plan) -> float:
+    return (plan.baseline_flops + plan.recompute_flops) / plan.baseline_flops
+
+
+def _step_s(plan) -> float:
+    return plan.baseline_s + plan.recompute_s
+
+
+def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None = None,
+               fractions=FRACTIONS, log=print) -> dict:
+    """Trace, analyse and plan one (shape, seq) point in this process; its result document."""
+    import torch
+
+    import remat_compiler
+    from passes.costs import CostModel
+    from remat_compiler.hf_config import build_causal_lm, token_inputs
+
+    limit = time_limit_s if time_limit_s is not None else SHAPES[shape]["time_limit_s"]
+    t0 = time.perf_counter()
+    model = build_causal_lm(mistral_config(shape, seq), torch.bfloat16)
+    cost_model = CostModel.preset("h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sdpa DeviceTraceWarning (module docstring)
+        _gm, cg = remat_compiler.analyze(model, (), token_inputs(1, seq), cost_model=cost_model,
+                                         hold_outputs=False)
+    trace_s = time.perf_counter() - t0
+    log(f"[real_sizes] {shape} seq {seq}: traced in {trace_s:.1f} s ({len(cg.fw_order)} forward nodes)")
+    save_all = remat_compiler.solve(cg, None, "save_all")
+    ckpt = remat_compiler.solve(cg, None, "checkpoint_blocks")
+    doc = {"shape": shape, "seq": seq, "batch": 1, "dtype": "bfloat16", "device": "h100",
+           "forward_nodes": len(cg.fw_order), "trace_s": trace_s, "time_limit_s": limit, "workers": workers,
+           "no_recompute": {"peak_bytes": save_all.peak_bytes, "step_s": _step_s(save_all)},
+           "checkpoint": {"peak_bytes": ckpt.peak_bytes, "flop_ratio": _flop_ratio(ckpt),
+                          "step_s": _step_s(ckpt)},
+           "plans": []}
+    for frac, label in fractions:
+        budget = int(ckpt.peak_bytes + frac * (save_all.peak_bytes - ckpt.peak_bytes))
+        t1 = time.perf_counter()
+        plan = remat_compiler.solve(cg, budget, "cpsat", time_limit_s=limit, num_workers=workers,
+                                    objective="flops")
+        wall = time.perf_counter() - t1
+        row = {"fraction": frac, "label": label, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
+               "flop_ratio": _flop_ratio(plan), "step_s": _step_s(plan), "solve_s": wall,
+               "status": plan.status, "gap": plan.gap}
+        doc["plans"].append(row)
+        log(f"[real_sizes] {shape} seq {seq} @{label}: {plan.peak_bytes / GIB:.2f} GiB, FLOP ratio "
+            f"{row['flop_ratio']:.4f}, {plan.status}, gap {plan.gap:.4f}, {wall:.1f} s")
+    doc["planner_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return doc
+
+
+def _run_in_child(shape: str, seq: int, workers: int, time_limit_s: float | None) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.real_sizes", "--one", shape, str(seq), "--workers", str(workers)]
+    if time_limit_s is not None:
+        cmd += ["--time-limit", str(time_limit_s)]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:.2f}"
+
+
+def format_markdown(docs: list[dict]) -> str:
+    """The RESULTS.md table: one row per (shape, seq, budget)."""
+    lines = ["| shape | seq | no-recompute GiB | checkpoint GiB (FLOP ratio) | budget | plan GiB | FLOP ratio "
+             "| est. step on H100 (ms) | solve s (limit) | status, gap | trace s | planner RSS GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in docs:
+        for p in d["plans"]:
+            lines.append(
+                f"| {d['shape']} | {d['seq']} | {_gib(d['no_recompute']['peak_bytes'])} | "
+                f"{_gib(d['checkpoint']['peak_bytes'])} ({d['checkpoint']['flop_ratio']:.3f}) | "
+                f"{p['label']}: {_gib(p['budget_bytes'])} | {_gib(p['peak_bytes'])} | {p['flop_ratio']:.4f} | "
+                f"{p['step_s'] * 1e3:.0f} | {p['solve_s']:.1f} ({d['time_limit_s']:.0f}) | "
+                f"{p['status']}, {p['gap']:.4f} | {d['trace_s']:.0f} | {_gib(d['planner_peak_rss_bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="7b,70b", help="comma-separated keys of SHAPES")
+    ap.add_argument("--seqs", default="4096,8192,16384", help="comma-separated sequence lengths")
+    ap.add_argument("--workers", type=int, default=2, help="CP-SAT workers")
+    ap.add_argument("--time-limit", type=float, default=None, help="override the shape's solve limit (s)")
+    ap.add_argument("--json", help="write every point's document here")
+    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--one", nargs=2, metavar=("SHAPE", "SEQ"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        doc = plan_point(args.one[0], int(args.one[1]), workers=args.workers, time_limit_s=args.time_limit,
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(json.dumps(doc))
+        return 0
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    docs = []
+    for shape in shapes:
+        for seq in (int(s) for s in args.seqs.split(",")):
+            docs.append(_run_in_child(shape, seq, args.workers, args.time_limit))
+            if args.json:
+                _write(args.json, json.dumps(docs, indent=1))
+    table = format_markdown(docs)
+    print(table)
+    if args.markdown:
+        _write(args.markdown, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
