@@ -223,7 +223,7 @@ class Plan:
         """Raise PlanMismatchError unless this plan was made for ``cg``'s graph."""
         if self.fingerprint != cg.fingerprint:
             made_for = (self.extras.get("device"), self.extras.get("allocator"))
-            runs_on = (cg.g.graph.get("device", "cpu"), cg.allocator)
+            runs_on = (cg.device, cg.allocator)
             if made_for[1] is not None and made_for != runs_on:
                 raise PlanMismatchError(
                     f"this plan was made for {made_for[0]} (bytes as the {made_for[1]} allocator charges "
@@ -265,7 +265,7 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
     ``extras`` gains the graph's ``device`` and, where the graph records one, its ``cost_model``
     (the rates its runtimes come from: :class:`remat_compiler.PlanSpec` re-costs a graph a given
     plan is applied to with them, so a plan for an H200 applies as it was made)."""
-    facts = {"device": cg.g.graph.get("device", "cpu"), "allocator": cg.allocator}
+    facts = {"device": cg.device, "allocator": cg.allocator}
     if cg.g.graph.get("traced_on"):
         facts["traced_on"] = cg.g.graph["traced_on"]
     if cg.g.graph.get("cost_model") is not None:

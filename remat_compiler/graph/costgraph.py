@@ -221,6 +221,11 @@ class CostGraph:
         return self.g.graph["fingerprint"]
 
     @property
+    def device(self) -> str:
+        """The device type the step is planned for (``"cpu"``, ``"cuda"``)."""
+        return self.g.graph.get("device", "cpu")
+
+    @property
     def allocator(self) -> str:
         """The :mod:`passes.allocator` model the bytes are counted in (``"exact"``, ``"cuda_caching"``)."""
         return self.g.graph.get("allocator", "exact")
