@@ -35,7 +35,8 @@ import sys
 import time
 import warnings
 
-__all__ = ["SHAPES", "FRACTIONS", "mistral_config", "plan_point", "format_markdown", "main"]
+__all__ = ["SHAPES", "FRACTIONS", "TARGET_SEQ", "RSS_TARGET_BYTES", "mistral_config", "plan_point",
+           "format_markdown", "format_section", "main"]
 
 #: Mistral-family shapes (issue 15): layers, hidden, FFN, heads, KV heads, vocab; the solve's time limit.
 SHAPES = {
@@ -47,6 +48,10 @@ SHAPES = {
 #: Where each budget lies between checkpoint-every-block's peak (0) and the no-recompute peak (1).
 FRACTIONS = ((0.0, "checkpoint's peak"), (0.5, "halfway"), (0.75, "3/4 of the way"))
 GIB = 1 << 30
+#: The targets' point (issue 15): batch 1 x seq 8192, the halfway budget, within the shape's time limit,
+#: FLOP gap <= 1%; the 70B planner's peak RSS at most 4 GiB.
+TARGET_SEQ = 8192
+RSS_TARGET_BYTES = 4 * GIB
 
 
 def mistral_config(shape: str, seq: int):
@@ -136,6 +141,41 @@ def format_markdown(docs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _verdicts(docs: list[dict]) -> list[str]:
+    lines = []
+    for d in docs:
+        if d["seq"] != TARGET_SEQ:
+            continue
+        half = next(p for p in d["plans"] if p["fraction"] == 0.5)
+        ok = half["solve_s"] <= d["time_limit_s"] and half["gap"] <= 0.01
+        rss = d["planner_peak_rss_bytes"]
+        rss_part = ""
+        if d["shape"] == "70b":
+            ok = ok and rss <= RSS_TARGET_BYTES
+            rss_part = f", planner peak RSS {_gib(rss)} GiB (target <= {_gib(RSS_TARGET_BYTES)})"
+        lines.append(f"- {d['shape']} seq {d['seq']} at the halfway budget: solved in {half['solve_s']:.1f} s "
+                     f"(target <= {d['time_limit_s']:.0f} s), FLOP gap {half['gap']:.4f} (target <= 0.01)"
+                     f"{rss_part}: **{'met' if ok else 'not met'}**. The trace before it took "
+                     f"{d['trace_s']:.0f} s (AOTAutograd over fake tensors), not counted in the solve.")
+    return lines
+
+
+def format_section(docs: list[dict], command: str, machine: str) -> str:
+    """The RESULTS.md section: how it was measured, the table, the targets."""
+    head = ["## Real sizes: Mistral-7B and 70B shapes planned for an H100 from this CPU-only machine",
+            "",
+            f"Command: `{command}` ({machine}). `MistralConfig` on the meta device, bfloat16, batch 1, the "
+            "model's own loss, the logits let go; planned for the `h100` preset (CUDA's caching-allocator "
+            "units, vendor rates). Peaks are the plans' predicted step peaks above the resident weights "
+            "(nothing runs here). Budgets lie on the line from checkpoint-every-block's peak to the "
+            "no-recompute peak. CP-SAT minimises counted FLOPs (`objective=\"flops\"`), "
+            f"{docs[0]['workers']} workers, its time limit in brackets; the gap is the proven FLOP gap. "
+            "Est. step: the roofline estimate of the step with its recomputation on the H100 preset. "
+            "Planner RSS: the planning process's peak resident set (trace included).",
+            ""]
+    return "\n".join(head) + "\n" + format_markdown(docs) + "\n" + "\n".join(_verdicts(docs)) + "\n"
+
+
 def _write(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -150,7 +190,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="CP-SAT workers")
     ap.add_argument("--time-limit", type=float, default=None, help="override the shape's solve limit (s)")
     ap.add_argument("--json", help="write every point's document here")
-    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--markdown", help="write the RESULTS.md section here")
+    ap.add_argument("--from-json", help="render the section from a --json file written before (no planning)")
+    ap.add_argument("--machine", default="2-core CPU machine",
+                    help="how to describe the machine in the section (its load, say)")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "SEQ"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -162,16 +205,20 @@ def main(argv=None) -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
-    docs = []
-    for shape in shapes:
-        for seq in (int(s) for s in args.seqs.split(",")):
-            docs.append(_run_in_child(shape, seq, args.workers, args.time_limit))
-            if args.json:
-                _write(args.json, json.dumps(docs, indent=1))
-    table = format_markdown(docs)
-    print(table)
+    if args.from_json:
+        with open(args.from_json) as f:
+            docs = json.load(f)
+    else:
+        docs = []
+        for shape in shapes:
+            for seq in (int(s) for s in args.seqs.split(",")):
+                docs.append(_run_in_child(shape, seq, args.workers, args.time_limit))
+                if args.json:
+                    _write(args.json, json.dumps(docs, indent=1))
+    section = format_section(docs, "python -m benchmarks.real_sizes", args.machine)
+    print(section)
     if args.markdown:
-        _write(args.markdown, table)
+        _write(args.markdown, section)
     return 0
 
 

@@ -306,8 +306,8 @@ def format_scale(doc: dict) -> str:
 
 def render_results(results: Sequence[dict], command: str = "python -m benchmarks.run", appendix: str = "") -> str:
     """The whole RESULTS.md: how things are measured, then one section per workload, then ``appendix``
-    (Markdown measured by other commands, kept in ``data/inductor.md`` and ``data/gpu_check.md``: the
-    Inductor peers, the CUDA check)."""
+    (Markdown measured by other commands, kept in ``data/inductor.md``, ``data/real_sizes.md`` and
+    ``data/gpu_check.md``: the Inductor peers, the real sizes planned, the CUDA check)."""
     sections = [_scale_section(r) if r.get("kind") == "plan_scale" else _section(r) for r in results]
     parts = [PREAMBLE.format(command=command).rstrip(), *sections] + ([appendix.strip()] if appendix.strip() else [])
     return "\n\n".join(parts) + "\n"

@@ -35,6 +35,8 @@ from benchmarks.workloads import WORKLOADS
 
 #: Every workload name: the measured ones, then ``scale`` (GPT-2 at 12 and 48 layers, planned only).
 NAMES = (*WORKLOADS, "scale")
+#: Markdown sections other commands measure, appended to RESULTS.md in this order (those that exist)
+APPENDIX_FILES = ("inductor.md", "real_sizes.md", "gpu_check.md")
 
 __all__ = ["main", "run_workload", "run_spawned", "load_results"]
 
@@ -176,10 +178,10 @@ def main(argv=None) -> int:
         atomic_write_text(os.path.join(data_dir, f"{name}.json"), json.dumps(result, indent=1) + "\n")
         if name != "scale":
             plot_pareto_measured(result, os.path.join(args.out, f"pareto_{name}.png"))
-        # Markdown measured by other commands: the Inductor peers (benchmarks.inductor_peers) and the
-        # CUDA check (benchmarks.gpu_check, on a GPU machine)
+        # Markdown measured by other commands: the Inductor peers (benchmarks.inductor_peers), the real
+        # sizes planned (benchmarks.real_sizes) and the CUDA check (benchmarks.gpu_check, on a GPU machine)
         appendix = "\n\n".join(open(path).read().strip() for path in
-                               (os.path.join(data_dir, f) for f in ("inductor.md", "gpu_check.md"))
+                               (os.path.join(data_dir, f) for f in APPENDIX_FILES)
                                if os.path.exists(path))
         atomic_write_text(os.path.join(args.out, "RESULTS.md"), render_results(load_results(data_dir),
                                                                                appendix=appendix))

@@ -112,3 +112,27 @@ def test_fast_less_y_target_line():
     assert line.startswith("- at moe_fast's peak minus every layer's y (108.0 MiB)")
     assert "moe_cpsat met, measured 107.0 MiB at FLOP ratio 1.0004 (no recompute: 1.0004)" in line
     assert "remat_compiler **not met**, measured 108.0 MiB at FLOP ratio 1.0556" in line
+
+
+def test_real_sizes_section_and_targets():
+    """The issue-15 target lines: the halfway plan at seq 8192 within the shape's limit and 1% FLOP gap,
+    and at 70B the planner's RSS within 4 GiB; the other lengths are rows, not targets."""
+    from benchmarks.real_sizes import GIB, format_section
+
+    def doc(shape, seq, solve_s, gap, rss):
+        plans = [{"fraction": f, "label": label, "budget_bytes": 20 * GIB, "peak_bytes": 19 * GIB,
+                  "flop_ratio": 1.0, "step_s": 0.5, "solve_s": solve_s, "status": "optimal", "gap": gap}
+                 for f, label in ((0.0, "checkpoint's peak"), (0.5, "halfway"))]
+        limit = 60.0 if shape == "7b" else 120.0
+        return {"shape": shape, "seq": seq, "trace_s": 30.0, "time_limit_s": limit, "workers": 2,
+                "no_recompute": {"peak_bytes": 40 * GIB}, "checkpoint": {"peak_bytes": 15 * GIB, "flop_ratio": 1.2},
+                "plans": plans, "planner_peak_rss_bytes": rss}
+
+    text = format_section([doc("7b", 4096, 99.0, 0.5, GIB), doc("7b", 8192, 59.0, 0.009, GIB),
+                           doc("70b", 8192, 110.0, 0.0, 5 * GIB)], "cmd", "idle")
+    verdicts = [line for line in text.splitlines() if line.startswith("- ")]
+    assert len(verdicts) == 2  # seq 4096 is a row only
+    assert verdicts[0].startswith("- 7b seq 8192") and verdicts[0].endswith("not counted in the solve.")
+    assert "**met**" in verdicts[0]
+    assert "planner peak RSS 5.00 GiB" in verdicts[1] and "**not met**" in verdicts[1]
+    assert sum(line.startswith("| 7b |") for line in text.splitlines()) == 4
