@@ -32,6 +32,7 @@ from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
+from remat_compiler.moe.layer import combine_modes
 from remat_compiler.plan import Plan
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
@@ -108,6 +109,16 @@ class PlanSpec:
         if plan_cache is not None and not isinstance(plan_cache, PlanCache):
             plan_cache = PlanCache(plan_cache)
         return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan, plan_cache)
+
+    def prepared(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The model as it is traced for this spec: with a given plan that records how its MoE
+        segments were traced (``plan.extras["moe_combine"]``, :func:`remat_compiler.plan.moe_combine_of`),
+        every :class:`~remat_compiler.moe.MoELayer` with the combine the plan was made for, else as
+        the strategy traces it (:meth:`Strategy.prepared`)."""
+        combine = self.plan.extras.get("moe_combine") if self.plan is not None else None
+        if combine:
+            return combine_modes(model, {seg: c["mode"] for seg, c in combine.items()})
+        return self.strategy.prepared(model)
 
 
 @dataclass
@@ -241,7 +252,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
                          plan=plan, plan_cache=plan_cache)
     spent: dict[str, float] = {}
-    with _timed(spent, "trace"), spec.strategy.prepared(model):
+    with _timed(spent, "trace"), spec.prepared(model):
         traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
     planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
     planned.timings = {**spent, **planned.timings}
@@ -427,7 +438,7 @@ class CompiledModule(torch.nn.Module):
 
     def _trace_and_run_eager(self, entry: _Entry, inputs: list[torch.Tensor]):
         entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
-        with self._spec.strategy.prepared(self._orig_mod):
+        with self._spec.prepared(self._orig_mod):
             return run_traced(entry.fn, self._orig_mod, inputs)
 
     def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):
@@ -444,7 +455,7 @@ class CompiledModule(torch.nn.Module):
             entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,
                                 bw_compiler=compilers.backward, decompositions=DECOMPOSITIONS)
             try:
-                with self._spec.strategy.prepared(self._orig_mod):
+                with self._spec.prepared(self._orig_mod):
                     out = run_traced(entry.fn, self._orig_mod, inputs)
             except CompiledOverBudget as over:
                 why = str(over)
