@@ -16,6 +16,7 @@ from remat_compiler.api import analyze
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe.layer import combine_modes, combine_modes_of, fused_combine_mode
 from remat_compiler.plan import Plan, moe_combine_of
+from remat_compiler.solvers.combine_choice import align_combines
 
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64
 SHAPE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2)
@@ -128,3 +129,65 @@ def test_saved_plan_traces_the_combine_it_was_made_for(x, tmp_path, made_on):
     assert again.plan.fingerprint == first.plan.fingerprint
     assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
     assert_exact(again, x, made_on)
+
+
+# ---------------------------------------------------------------- the two combines aligned
+
+
+def _signature(cg, n):
+    tag = cg.attr(n, "moe") or {}
+    return cg.attr(n, "op"), cg.attr(n, "shape"), tag.get("segment"), tag.get("role")
+
+
+@pytest.fixture(scope="module")
+def union(x):
+    model = worker.make_model(SHAPE)
+    _, cg_a = analyze(model, (x,))
+    _, cg_f = analyze(model, (x,), solver="moe_cpsat")
+    return align_combines(cg_a, cg_f)
+
+
+def test_the_combines_differ_in_one_backward_piece_per_segment(union):
+    """Same forward; per segment one contiguous backward piece; only the autograd piece reads the
+    gathered y (the unpermute's index_select), and both hand the rest of the backward dL/da,
+    dL/dp and dL/dW2."""
+    assert list(union.pieces) == ["inner.layers.1", "inner.layers.0"]  # backward runs layer 1 first
+    for seg, both in union.pieces.items():
+        auto, fused = both["autograd"], both["fused"]
+        y = [v for v in auto.fw_reads if union.graphs["autograd"].attr(v, "op") == "aten.index_select.default"]
+        assert len(y) == 1 and union.graphs["autograd"].attr(y[0], "shape") == (32 * 2, 16), seg
+        assert y[0] not in fused.fw_reads, seg
+        act = [v for v in fused.fw_reads if (union.graphs["fused"].attr(v, "moe") or {}).get("role") == "act"]
+        assert act and set(act) <= set(auto.fw_reads), seg  # both read the SwiGLU output
+        assert sorted(auto.outputs.values()) == sorted(fused.outputs.values()) and len(auto.outputs) == 3
+        assert auto.bw_inputs == fused.bw_inputs  # G, produced by the shared backward
+        assert any(n == "remat.combine_dgrad.default" for n in (union.graphs["fused"].attr(m, "op") for m in fused.nodes))
+
+
+@pytest.mark.parametrize("modes", [{"inner.layers.0": "fused", "inner.layers.1": "autograd"},
+                                   {"inner.layers.0": "autograd", "inner.layers.1": "fused"},
+                                   {"inner.layers.0": "fused", "inner.layers.1": "fused"}])
+def test_materialised_backward_is_the_traced_one(union, x, modes):
+    """Splicing the chosen pieces between the shared nodes gives, op for op, the backward of the step
+    traced with those combines, whose forward is the same."""
+    model = worker.make_model(SHAPE)
+    with combine_modes(model, modes):
+        _, cg = analyze(model, (x,))
+    assert cg.fw_order == union.graphs["autograd"].fw_order
+    got = [_signature(union.graphs["autograd" if mode == "shared" else mode], n)
+           for mode, n in union.materialise(modes)]
+    assert got == [_signature(cg, n) for n in cg.bw_order]
+
+
+def test_alignment_refuses_what_it_cannot_pair(union, x):
+    with pytest.raises(ValueError, match="needs a combine mode"):
+        union.materialise({"inner.layers.0": "fused"})
+    with pytest.raises(ValueError, match="no MoELayer segment"):
+        union.materialise({"inner.layers.0": "fused", "inner.layers.1": "fused", "inner.layers.7": "fused"})
+    cg_a = union.graphs["autograd"]
+    with pytest.raises(ValueError, match="was not traced with every MoELayer in combine='fused'"):
+        align_combines(cg_a, cg_a)
+    other = dict(SHAPE, hidden_size=24)
+    _, cg_other = analyze(worker.make_model(other), (worker.make_tokens(other),), solver="moe_cpsat")
+    with pytest.raises(ValueError, match="differs between the two combines' graphs"):
+        align_combines(cg_a, cg_other)
