@@ -32,17 +32,20 @@ from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
-from remat_compiler.moe.layer import combine_modes
+from remat_compiler.moe.layer import MoELayer, combine_modes
 from remat_compiler.plan import Plan
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
-from remat_compiler.schedule import SimResult
-from remat_compiler.solvers import Strategy, get_solver, resolve_budget
+from remat_compiler.schedule import SimResult, peak_of
+from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
+from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
+from remat_compiler.solvers.cpsat.choice import reasons, solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
-from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, annotate_joint, aot_step, flatten_step,
-                                  is_inplace_after_save, run_traced, signature_of, trace, without_data)
+from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
+                                  flatten_step, is_inplace_after_save, run_traced, signature_of, trace,
+                                  trace_step, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
            "PlannedGraph"]
@@ -208,6 +211,64 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
     return solve(), source[0]
 
 
+#: The options of the default solver under which it chooses each MoE segment's combine.
+CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective"})
+
+
+def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
+    """Whether planning ``model`` under ``spec`` chooses each MoELayer segment's combine in its solve.
+
+    It does for the default ``solver="cpsat"`` (options among :data:`CHOICE_OPTIONS`, no policy, no
+    given or cached plan) on one process, when every :class:`~remat_compiler.moe.MoELayer` of the
+    model has the default ``combine="autograd"``, equal splits and no expert-parallel group. A
+    user's ``combine="fused"``, another solver (``moe_cpsat`` plans the fused combine everywhere) or
+    any other case plans the graph as the model traces it, as before.
+    """
+    if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None or spec.plan_cache is not None \
+            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS or distributed():
+        return False
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    return bool(layers) and all(m.combine_mode == "autograd" and m.splits == "equal"
+                                and m.num_local_experts == m.num_experts for m in layers)
+
+
+def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], TracedStep]) -> PlanSpec:
+    """Trace the step with every MoELayer in each combine, choose per segment and the saved set in one
+    CP-SAT solve over both (:func:`~remat_compiler.solvers.cpsat.choice.solve_choice`), and return the
+    spec that traces the chosen combines and applies that choice (:func:`chosen_combines`).
+
+    When the one solve finds no plan under the budget (it does not rerun values), the spec is
+    returned unchanged: the model is planned as it is (``combine="autograd"``) by
+    :func:`~remat_compiler.solvers.cpsat.solve_cpsat`, whose reruns may go lower and whose
+    lowest-peak search names the smallest feasible budget.
+
+    Raises
+    ------
+    ValueError
+        If the two combines' graphs do not align (:func:`align_combines`).
+    """
+    graphs = {}
+    for mode in COMBINE_MODES:
+        with combine_modes(model, mode):
+            traced = trace_once()
+        graphs[mode] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+    union = align_combines(graphs["autograd"], graphs["fused"])
+    budget_bytes = resolve_budget(graphs["autograd"], spec.budget)
+    try:
+        choice = solve_choice(union, budget_bytes, **spec.options)
+    except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, as before
+        return spec
+    flipped = {}
+    for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
+        with combine_modes(model, {**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}):
+            traced = trace_once()
+        flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
+    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, solve_time_s=choice.solve_time_s,
+                               model_peak_bytes=choice.model_peak_bytes, why=reasons(choice, flipped))
+    budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
+    return dataclasses.replace(spec, budget=budget, strategy=strategy, options={})
+
+
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             cost_model: CostModel | None = None, solver="cpsat",
             hold_outputs: bool = True, device=None) -> tuple[fx.GraphModule, CostGraph]:
@@ -252,6 +313,10 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
                          plan=plan, plan_cache=plan_cache)
     spent: dict[str, float] = {}
+    if chooses_combines(spec, model):
+        with _timed(spent, "choose combines"):
+            spec = choose_combines(spec, model, lambda: trace(model, args, kwargs, hold_outputs=hold_outputs,
+                                                              device=_plans_for(device, cost_model)))
     with _timed(spent, "trace"), spec.prepared(model):
         traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
     planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
@@ -284,6 +349,7 @@ class _Entry:
     calls: int = 0
     grad_deps: list | None = None     # per flat input: the tangents its gradient reads (see GradGate)
     gate: bool = True                 # whether calls need the gate (decided once the graph is known)
+    example: list | None = None       # the first call's state tensors and inputs (to trace it again)
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
@@ -398,7 +464,7 @@ class CompiledModule(torch.nn.Module):
                 "module cannot run a training step with them. Plan without weights with "
                 "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
                 "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
-        entry = _Entry(step=step, fn=None)
+        entry = _Entry(step=step, fn=None, example=step.state_tensors() + flat)
         record = GradRecord(entry)
         inputs, positions = self._gated(record, step.state_tensors() + flat)
         try:
@@ -437,8 +503,12 @@ class CompiledModule(torch.nn.Module):
         return self._trace_and_run_inductor(entry, inputs)
 
     def _trace_and_run_eager(self, entry: _Entry, inputs: list[torch.Tensor]):
-        entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
-        with self._spec.prepared(self._orig_mod):
+        spec = self._spec
+        if chooses_combines(spec, self._orig_mod):
+            spec = choose_combines(spec, self._orig_mod,
+                                   lambda: trace_step(entry.step, self._orig_mod, entry.example))
+        entry.fn = aot_step(entry.step, self._partition(entry, spec))
+        with spec.prepared(self._orig_mod):
             return run_traced(entry.fn, self._orig_mod, inputs)
 
     def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):

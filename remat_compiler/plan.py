@@ -293,8 +293,8 @@ def _combine_lines(combine: dict) -> list[str]:
             why = (f"fused: y never stored ({y}); its backward reads the SwiGLU output, W2 and probs "
                    f"(remat::combine_dgrad)")
         else:
-            why = (f"autograd: y ({y}) kept or recomputed for d(probs) "
-                   f"(solver='moe_cpsat' plans this segment with the fused combine)")
+            why = f"autograd: y ({y}) kept or recomputed for d(probs)" + (
+                "" if c.get("why") else " (solver='moe_cpsat' plans this segment with the fused combine)")
         lines.append(f"{'MoE combine' if i == 0 else '':<17} {seg or '(model)'}: {why}"
                      + (f"; {c['why']}" if c.get("why") else ""))
     return lines

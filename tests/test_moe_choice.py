@@ -191,3 +191,110 @@ def test_alignment_refuses_what_it_cannot_pair(union, x):
     _, cg_other = analyze(worker.make_model(other), (worker.make_tokens(other),), solver="moe_cpsat")
     with pytest.raises(ValueError, match="differs between the two combines' graphs"):
         align_combines(cg_a, cg_other)
+
+
+# ---------------------------------------------------------------- the default solve chooses
+
+
+def _modes(plan) -> dict:
+    return {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()}
+
+
+def _plan(shape, budget, solver="cpsat"):
+    """The plan ``compile`` makes on its first call (the graph it runs, which is what plans are
+    compared on)."""
+    options = {} if solver in ("moe_custom", "moe_fast") else {"time_limit_s": 10}
+    module = remat_compiler.compile(worker.make_model(shape), budget, solver=solver, **options)
+    run_step(module, worker.make_tokens(shape))
+    return module.plan
+
+
+def _compile_and_check(shape, budget):
+    """The default compile at ``budget``: gradients of eager's model, measured peak = predicted."""
+    x = worker.make_tokens(shape)
+    module = remat_compiler.compile(worker.make_model(shape), budget, time_limit_s=10)
+    assert_same(run_step(module, x), run_step(worker.make_model(shape), x), f"cpsat at {budget}")
+    assert_exact(module, x, f"cpsat at {budget}")
+    return module
+
+
+def test_default_solve_picks_the_fused_combine_where_it_is_cheaper():
+    """Two layers, H=24, F=8, top-1 at moe_custom's peak: one solve picks the fused combine for both
+    segments, at moe_cpsat's cost and below the autograd graph's."""
+    shape = worker.SHAPES[3]
+    budget = _plan(shape, None, "moe_custom").peak_bytes
+    module = _compile_and_check(shape, budget)
+    plan = module.plan
+    assert plan.solver == "cpsat" and _modes(plan) == {s: "fused" for s in SEGMENTS}
+    fused = _plan(shape, budget, "moe_cpsat")
+    assert plan.status == fused.status == "optimal"
+    assert plan.recompute_s == pytest.approx(fused.recompute_s, rel=1e-9)
+    autograd = _plan(shape, budget, remat_compiler.solvers.solve_cpsat)  # the graph as the model is
+    assert plan.recompute_s < autograd.recompute_s
+
+
+def test_default_solve_mixes_combines_where_that_is_cheaper_than_either():
+    """Two layers, H=16, F=32, top-2 at moe_fast's peak: layer 0 fused, layer 1 autograd, with no GEMM
+    recomputed, where a solve over either combine alone recomputes one and costs more."""
+    shape = worker.SHAPES[4]
+    budget = _plan(shape, None, "moe_fast").peak_bytes
+    plan = _compile_and_check(shape, budget).plan
+    assert _modes(plan) == {"inner.layers.0": "fused", "inner.layers.1": "autograd"}
+    assert plan.recompute_flops == 0
+    for solver in ("moe_cpsat", remat_compiler.solvers.solve_cpsat):
+        alone = _plan(shape, budget, solver)
+        assert alone.recompute_flops > 0 and plan.recompute_s < alone.recompute_s, solver
+
+
+def test_default_solve_keeps_the_autograd_combine_where_it_is_cheaper():
+    """One layer, H=16, F=24, top-2, below moe_custom's peak: the autograd combine's backward holds
+    less, so the solve keeps it, at the autograd graph's own cost and below moe_cpsat's."""
+    shape = worker.SHAPES[0]
+    budget = int(0.95 * _plan(shape, None, "moe_custom").peak_bytes)
+    plan = _compile_and_check(shape, budget).plan
+    assert _modes(plan) == {"inner.layers.0": "autograd"}
+    autograd = _plan(shape, budget, remat_compiler.solvers.solve_cpsat)
+    assert plan.recompute_s == pytest.approx(autograd.recompute_s, rel=1e-9)
+    assert plan.recompute_s < _plan(shape, budget, "moe_cpsat").recompute_s
+
+
+def test_loose_budget_choice_is_exact_explained_and_reapplied(tmp_path):
+    """No budget: the choice is still exact and recorded; explain() names each segment's combine and
+    why; the saved plan, applied to a fresh model, traces the same combines and is exact again."""
+    x = worker.make_tokens(SHAPE)
+    module = _compile_and_check(SHAPE, None)
+    plan = module.plan
+    assert set(_modes(plan)) == set(SEGMENTS)
+    text = plan.explain()
+    for seg, mode in _modes(plan).items():
+        line = next(ln for ln in text.splitlines() if f"{seg}: {mode}:" in ln)
+        other = "autograd" if mode == "fused" else "fused"
+        assert "chosen in the one CP-SAT solve with the saved set" in line
+        assert f"with the {other} combine here and the same saved set" in line
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.extras["moe_combine"] == plan.extras["moe_combine"]
+    model = worker.make_model(SHAPE)
+    again = remat_compiler.compile(model, plan=loaded)
+    assert_same(run_step(again, x), run_step(worker.make_model(SHAPE), x), "reapplied")
+    assert again.planned.source == "given" and again.plan.fingerprint == plan.fingerprint
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+    assert_exact(again, x, "reapplied")
+
+
+def test_other_solvers_and_a_fused_model_plan_as_before(x):
+    """The choice is the default solver's on models left at combine='autograd': moe_cpsat plans
+    the fused combine everywhere, and a model whose user chose the fused combine keeps it."""
+    assert set(_modes(_plan(SHAPE, None, "moe_cpsat")).values()) == {"fused"}
+    model = worker.make_model(SHAPE)
+    with fused_combine_mode(model):
+        plan = remat_compiler.plan_model(model, (x,), time_limit_s=5).plan
+    assert set(_modes(plan).values()) == {"fused"}
+    assert "chosen in the one CP-SAT solve" not in plan.explain()
+
+
+def test_a_budget_no_choice_meets_falls_back_to_the_model_as_it_is(x):
+    """Below every plan's peak the one solve finds nothing, and the model is planned as it is
+    (combine='autograd'), whose lowest-peak search names the smallest feasible budget."""
+    with pytest.raises(remat_compiler.InfeasibleBudgetError, match="smallest feasible budget"):
+        remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=10_000, time_limit_s=3)
