@@ -480,6 +480,8 @@ class CompiledModule(torch.nn.Module):
         except InfeasibleBudgetError as exc:
             self._failures[key] = exc
             raise
+        finally:
+            entry.example = None  # traced: the first call's tensors are not held
         self._entries[key] = entry
         if entry.planned is None:  # AOTAutograd found no backward: the step has nothing to plan
             warnings.warn("no parameter or input of this call requires grad, so there is no backward "

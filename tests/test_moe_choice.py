@@ -16,7 +16,9 @@ from remat_compiler.api import analyze
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe.layer import combine_modes, combine_modes_of, fused_combine_mode
 from remat_compiler.plan import Plan, moe_combine_of
+from remat_compiler.schedule import peak_of
 from remat_compiler.solvers.combine_choice import align_combines
+from remat_compiler.solvers.cpsat.choice import solve_choice, union_steps
 
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64
 SHAPE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2)
@@ -298,3 +300,18 @@ def test_a_budget_no_choice_meets_falls_back_to_the_model_as_it_is(x):
     (combine='autograd'), whose lowest-peak search names the smallest feasible budget."""
     with pytest.raises(remat_compiler.InfeasibleBudgetError, match="smallest feasible budget"):
         remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=10_000, time_limit_s=3)
+
+
+@pytest.mark.parametrize("budget", [None, 300_000, 250_000])
+def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
+    """The union model's peak is the simulated peak of the saved set on the graph traced with the
+    chosen combines: exact, not a bound (the union runs both pieces of each segment)."""
+    assert len(union_steps(union)) == sum(len(union.graphs[m].bw_order) for m in ("autograd", "fused")) \
+        - len(union.shared)
+    choice = solve_choice(union, budget, time_limit_s=10)
+    assert choice.status == "optimal"
+    model = worker.make_model(SHAPE)
+    with combine_modes(model, choice.modes):
+        _, cg = analyze(model, (x,))
+    assert peak_of(cg, choice.saved) == choice.model_peak_bytes
+    assert budget is None or choice.model_peak_bytes <= budget

@@ -150,9 +150,12 @@ def _check_forward(cg_a: CostGraph, cg_f: CostGraph) -> None:
                 raise ValueError(f"forward node {n!r} differs between the two combines' graphs in its "
                                  f"{key}: {cg_a.attr(n, key)!r} against {cg_f.attr(n, key)!r}")
     for cg, mode in ((cg_a, "autograd"), (cg_f, "fused")):
-        tags = {cg.attr(n, "moe")["segment"]: cg.attr(n, "moe")["fused"] for n in cg.fw_order
-                if (cg.attr(n, "moe") or {}).get("kind") == "moe_layer" and cg.attr(n, "moe")["fused"]}
-        if (mode == "fused") != bool(tags) or (mode == "fused" and not all(tags.values())):
+        fused: dict[str, bool] = {}
+        for n in cg.fw_order:
+            tag = cg.attr(n, "moe") or {}
+            if tag.get("kind") == "moe_layer":
+                fused[tag["segment"]] = fused.get(tag["segment"], False) or tag["fused"]
+        if any(f != (mode == "fused") for f in fused.values()):
             raise ValueError(f"the {mode} graph was not traced with every MoELayer in combine={mode!r}")
 
 

@@ -41,7 +41,7 @@ from remat_compiler.solvers.cpsat.costs import cost_units
 from remat_compiler.solvers.cpsat.parts import add_decisions, alloc_index, is_const, storage_readers
 from remat_compiler.solvers.cpsat.run import make_solver, run_solver
 
-__all__ = ["Choice", "union_steps", "build_choice_model", "solve_choice", "reasons"]
+__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "solve_choice", "reasons"]
 
 
 @dataclass
@@ -69,6 +69,19 @@ class Choice:
     cost: int
     status: str
     solve_time_s: float
+
+
+@dataclass
+class ChoiceModel:
+    """The built model and the handles to read a solution back: the per-segment Booleans (true:
+    fused), the save decisions, the peak variable (in ``unit_bytes``) and the cost expression."""
+
+    model: cp_model.CpModel
+    fused: dict[str, cp_model.IntVar]
+    saved: dict[str, cp_model.IntVar]
+    peak: cp_model.IntVar
+    cost: cp_model.LinearExpr
+    unit_bytes: int
 
 
 def union_steps(union: CombineUnion) -> list[tuple[str, str, str | None]]:
@@ -133,12 +146,17 @@ def _readers_by_segment(union: CombineUnion) -> dict[str, set[str]]:
 def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objective: str = "runtime"):
     """Build the one model (see the module docstring).
 
+    Parameters
+    ----------
+    union : CombineUnion
+    budget_bytes : int | None
+        Upper bound of the peak (None: unbounded).
+    objective : "runtime" | "flops"
+        What the recompute cost counts (:func:`~remat_compiler.solvers.cpsat.costs.cost_units`).
+
     Returns
     -------
-    tuple
-        ``(model, fused, saved, peak, cost, unit_bytes, peak_hi)``: the CpModel, the per-segment
-        Booleans, the save decisions, the peak variable (in ``unit_bytes``), the cost expression and
-        the peak's upper bound.
+    ChoiceModel
     """
     cg = union.graphs["autograd"]  # the forward, and the shared backward by its names
     graphs = union.graphs
@@ -211,8 +229,8 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     # intervals: (start, end, bytes, literal or None; end may be a variable)
     fixed = _fixed_intervals(union, to_union, lit)
     cands = cg.candidates
-    sizes = [cg.attr(c, "bytes") for c in cg.fw_order if cg.storage(c) == c] + [z for *_x, z, _l in fixed]
-    unit = reduce(math.gcd, [z for z in sizes if z > 0], 0) or 1
+    sizes = [cg.attr(c, "bytes") for c in cg.fw_order if cg.storage(c) == c] + [b for _a, _z, b, _w in fixed]
+    unit = reduce(math.gcd, [b for b in sizes if b > 0], 0) or 1
     intervals, demands = [], []
     for i, (a, z, size, when) in enumerate(fixed):
         if when is None:
@@ -280,7 +298,7 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     costs = {v: cost_units(cg, v, objective) for v in M}
     cost = sum(costs[v] * r[v] for v in M if costs[v] > 0)
     m.minimize(cost * (max(peak_hi, 0) + 1) + peak)  # the least cost, then the least peak at it
-    return m, fused, s, peak, cost, unit, peak_hi
+    return ChoiceModel(m, fused, s, peak, cost, unit)
 
 
 def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int, int, object]]:
@@ -350,15 +368,15 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
         :func:`~remat_compiler.solvers.cpsat.solve_cpsat`'s reruns and lowest-peak search.
     """
     t0 = time.perf_counter()
-    m, fused, s, peak, cost, unit, _hi = build_choice_model(union, budget_bytes, objective=objective)
+    cm = build_choice_model(union, budget_bytes, objective=objective)
     solver = make_solver(time_limit_s, num_workers, deterministic=False)
-    status = run_solver(solver, m)
+    status = run_solver(solver, cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
                                     advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the smallest")
-    modes = {seg: "fused" if solver.boolean_value(b) else "autograd" for seg, b in fused.items()}
-    saved = [v for v, var in s.items() if solver.value(var)]
-    return Choice(modes, saved, solver.value(peak) * unit, int(solver.value(cost)),
+    modes = {seg: "fused" if solver.boolean_value(b) else "autograd" for seg, b in cm.fused.items()}
+    saved = [v for v, var in cm.saved.items() if solver.value(var)]
+    return Choice(modes, saved, solver.value(cm.peak) * cm.unit_bytes, int(solver.value(cm.cost)),
                   "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0)
 
 
