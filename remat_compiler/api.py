@@ -48,7 +48,7 @@ from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, 
                                   trace_step, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
-           "PlannedGraph"]
+           "PlannedGraph", "chooses_combines", "choose_combines", "CHOICE_OPTIONS"]
 
 
 @dataclass(frozen=True)
@@ -630,7 +630,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     solver : str | callable | Strategy
         ``"cpsat"`` (default), ``"greedy"``, ``"save_all"``, ``"checkpoint_blocks"``, an MoE strategy
         (:data:`remat_compiler.solvers.SOLVERS`), or a callable
-        ``solve(cost_graph, budget_bytes, **opts) -> Plan``.
+        ``solve(cost_graph, budget_bytes, **opts) -> Plan``. On a model of
+        :class:`~remat_compiler.moe.MoELayer` s left at ``combine="autograd"``, ``"cpsat"`` also
+        chooses each layer's combine, autograd or fused, in its one solve (:func:`chooses_combines`).
     cost_model : passes.CostModel, optional
         Compute rate and bandwidths for the runtime estimate.
     plan : Plan or str, optional
