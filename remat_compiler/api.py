@@ -219,12 +219,12 @@ def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
     """Whether planning ``model`` under ``spec`` chooses each MoELayer segment's combine in its solve.
 
     It does for the default ``solver="cpsat"`` (options among :data:`CHOICE_OPTIONS`, no policy, no
-    given or cached plan) on one process, when every :class:`~remat_compiler.moe.MoELayer` of the
+    given plan) on one process, when every :class:`~remat_compiler.moe.MoELayer` of the
     model has the default ``combine="autograd"``, equal splits and no expert-parallel group. A
     user's ``combine="fused"``, another solver (``moe_cpsat`` plans the fused combine everywhere) or
     any other case plans the graph as the model traces it, as before.
     """
-    if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None or spec.plan_cache is not None \
+    if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None \
             or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS or distributed():
         return False
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
@@ -236,6 +236,10 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     """Trace the step with every MoELayer in each combine, choose per segment and the saved set in one
     CP-SAT solve over both (:func:`~remat_compiler.solvers.cpsat.choice.solve_choice`), and return the
     spec that traces the chosen combines and applies that choice (:func:`chosen_combines`).
+
+    With a plan cache, the plan is looked up under the key of the graph as the model is (marked as a
+    choice) and verified on the graph traced with the combines it records; a solved plan is stored
+    there.
 
     When the one solve finds no plan under the budget (it does not rerun values), the spec is
     returned unchanged: the model is planned as it is (``combine="autograd"``) by
@@ -254,6 +258,22 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         graphs[mode] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
     union = align_combines(graphs["autograd"], graphs["fused"])
     budget_bytes = resolve_budget(graphs["autograd"], spec.budget)
+    budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
+    store = None
+    if spec.plan_cache is not None:  # keyed by the graph as the model is, and verified on the chosen one
+        fields = {**key_fields(graphs["autograd"], budget_bytes, spec.cost_model or CostModel(), spec.strategy,
+                               spec.options), "moe_combine": "chosen in the solve"}
+        key = key_of(fields)
+        modes = spec.plan_cache.recorded_combines(key)
+        cg = graphs["autograd"]
+        if modes is not None and set(modes) == set(union.pieces) and set(modes.values()) <= set(COMBINE_MODES):
+            with combine_modes(model, modes):
+                traced = trace_once()
+            cg = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+        cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: absent, or reported and re-planned
+        if cached is not None:
+            return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
+        store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
     try:
         choice = solve_choice(union, budget_bytes, **spec.options)
     except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, as before
@@ -264,9 +284,9 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
             traced = trace_once()
         flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
     strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, solve_time_s=choice.solve_time_s,
-                               model_peak_bytes=choice.model_peak_bytes, why=reasons(choice, flipped))
-    budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
-    return dataclasses.replace(spec, budget=budget, strategy=strategy, options={})
+                               model_peak_bytes=choice.model_peak_bytes, why=reasons(choice, flipped),
+                               on_plan=store)
+    return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,

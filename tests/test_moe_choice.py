@@ -315,3 +315,17 @@ def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
         _, cg = analyze(model, (x,))
     assert peak_of(cg, choice.saved) == choice.model_peak_bytes
     assert budget is None or choice.model_peak_bytes <= budget
+
+
+def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
+    """With plan_cache=, the chosen plan is stored once and a fresh model's compile applies it: the
+    same combines and saved set, exact again."""
+    first = remat_compiler.compile(worker.make_model(SHAPE), 300_000, time_limit_s=10, plan_cache=tmp_path)
+    run_step(first, x)
+    files = list(tmp_path.glob("*.plan.json"))
+    assert len(files) == 1
+    again = remat_compiler.compile(worker.make_model(SHAPE), 300_000, time_limit_s=10, plan_cache=tmp_path)
+    assert_same(run_step(again, x), run_step(worker.make_model(SHAPE), x), "cached")
+    assert again.plan.digest() == first.plan.digest() and list(tmp_path.glob("*.plan.json")) == files
+    assert "chosen in the one CP-SAT solve" in again.plan.explain()
+    assert_exact(again, x, "cached")

@@ -135,7 +135,8 @@ def solve(cg: CostGraph, budget, solver: str | Callable[..., Plan] | Strategy = 
 
 
 def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: float,
-                    model_peak_bytes: int, why: dict[str, str]) -> Strategy:
+                    model_peak_bytes: int, why: dict[str, str],
+                    on_plan: Callable[[Plan], None] | None = None) -> Strategy:
     """The ``cpsat`` strategy that applies a choice already made by one solve over both MoE combines
     (:func:`remat_compiler.solvers.cpsat.choice.solve_choice`): it traces every MoELayer segment with
     its chosen combine (``prepare``) and makes the plan of the chosen saved set on that graph.
@@ -151,6 +152,8 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
         ``model_peak_bytes``).
     why : dict of str to str
         Per segment, why its combine was chosen (``plan.explain()`` says it).
+    on_plan : callable, optional
+        Called with the plan once it is made (a plan cache stores it).
 
     Returns
     -------
@@ -166,7 +169,10 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
             raise PlanMismatchError(f"the graph's MoE combines {combine} are not the ones chosen, {modes}")
         for seg, c in combine.items():
             c["why"] = why[seg]
-        return make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status,
+        plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status,
                          solve_time_s=solve_time_s, model_peak_bytes=model_peak_bytes,
                          extras={"moe_combine": combine})
+        if on_plan is not None:
+            on_plan(plan)
+        return plan
     return Strategy("cpsat", solve, prepare=lambda model: combine_modes(model, modes), searching=True)
