@@ -32,19 +32,23 @@ from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
+from remat_compiler.moe.layer import MoELayer, combine_modes
 from remat_compiler.plan import Plan
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
-from remat_compiler.schedule import SimResult
-from remat_compiler.solvers import Strategy, get_solver, resolve_budget
+from remat_compiler.schedule import SimResult, peak_of
+from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
+from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
+from remat_compiler.solvers.cpsat.choice import reasons, solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
-from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, annotate_joint, aot_step, flatten_step,
-                                  is_inplace_after_save, run_traced, signature_of, trace, without_data)
+from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
+                                  flatten_step, is_inplace_after_save, run_traced, signature_of, trace,
+                                  trace_step, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
-           "PlannedGraph"]
+           "PlannedGraph", "chooses_combines", "choose_combines", "CHOICE_OPTIONS"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,16 @@ class PlanSpec:
         if plan_cache is not None and not isinstance(plan_cache, PlanCache):
             plan_cache = PlanCache(plan_cache)
         return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan, plan_cache)
+
+    def prepared(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The model as it is traced for this spec: with a given plan that records how its MoE
+        segments were traced (``plan.extras["moe_combine"]``, :func:`remat_compiler.plan.moe_combine_of`),
+        every :class:`~remat_compiler.moe.MoELayer` with the combine the plan was made for, else as
+        the strategy traces it (:meth:`Strategy.prepared`)."""
+        combine = self.plan.extras.get("moe_combine") if self.plan is not None else None
+        if combine:
+            return combine_modes(model, {seg: c["mode"] for seg, c in combine.items()})
+        return self.strategy.prepared(model)
 
 
 @dataclass
@@ -197,6 +211,84 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
     return solve(), source[0]
 
 
+#: The options of the default solver under which it chooses each MoE segment's combine.
+CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective"})
+
+
+def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
+    """Whether planning ``model`` under ``spec`` chooses each MoELayer segment's combine in its solve.
+
+    It does for the default ``solver="cpsat"`` (options among :data:`CHOICE_OPTIONS`, no policy, no
+    given plan) on one process, when every :class:`~remat_compiler.moe.MoELayer` of the
+    model has the default ``combine="autograd"``, equal splits and no expert-parallel group. A
+    user's ``combine="fused"``, another solver (``moe_cpsat`` plans the fused combine everywhere) or
+    any other case plans the graph as the model traces it, as before.
+    """
+    if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None \
+            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS or distributed():
+        return False
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    return bool(layers) and all(m.combine_mode == "autograd" and m.splits == "equal"
+                                and m.num_local_experts == m.num_experts for m in layers)
+
+
+def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], TracedStep]) -> PlanSpec:
+    """Trace the step with every MoELayer in each combine, choose per segment and the saved set in one
+    CP-SAT solve over both (:func:`~remat_compiler.solvers.cpsat.choice.solve_choice`), and return the
+    spec that traces the chosen combines and applies that choice (:func:`chosen_combines`).
+
+    With a plan cache, the plan is looked up under the key of the graph as the model is (marked as a
+    choice) and verified on the graph traced with the combines it records; a solved plan is stored
+    there.
+
+    When the one solve finds no plan under the budget (it does not rerun values), the spec is
+    returned unchanged: the model is planned as it is (``combine="autograd"``) by
+    :func:`~remat_compiler.solvers.cpsat.solve_cpsat`, whose reruns may go lower and whose
+    lowest-peak search names the smallest feasible budget.
+
+    Raises
+    ------
+    ValueError
+        If the two combines' graphs do not align (:func:`align_combines`).
+    """
+    graphs = {}
+    for mode in COMBINE_MODES:
+        with combine_modes(model, mode):
+            traced = trace_once()
+        graphs[mode] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+    union = align_combines(graphs["autograd"], graphs["fused"])
+    budget_bytes = resolve_budget(graphs["autograd"], spec.budget)
+    budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
+    store = None
+    if spec.plan_cache is not None:  # keyed by the graph as the model is, and verified on the chosen one
+        fields = {**key_fields(graphs["autograd"], budget_bytes, spec.cost_model or CostModel(), spec.strategy,
+                               spec.options), "moe_combine": "chosen in the solve"}
+        key = key_of(fields)
+        modes = spec.plan_cache.recorded_combines(key)
+        cg = graphs["autograd"]
+        if modes is not None and set(modes) == set(union.pieces) and set(modes.values()) <= set(COMBINE_MODES):
+            with combine_modes(model, modes):
+                traced = trace_once()
+            cg = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+        cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: absent, or reported and re-planned
+        if cached is not None:
+            return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
+        store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
+    try:
+        choice = solve_choice(union, budget_bytes, **spec.options)
+    except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, as before
+        return spec
+    flipped = {}
+    for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
+        with combine_modes(model, {**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}):
+            traced = trace_once()
+        flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
+    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, solve_time_s=choice.solve_time_s,
+                               model_peak_bytes=choice.model_peak_bytes, why=reasons(choice, flipped),
+                               on_plan=store)
+    return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
+
+
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             cost_model: CostModel | None = None, solver="cpsat",
             hold_outputs: bool = True, device=None) -> tuple[fx.GraphModule, CostGraph]:
@@ -241,7 +333,11 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
                          plan=plan, plan_cache=plan_cache)
     spent: dict[str, float] = {}
-    with _timed(spent, "trace"), spec.strategy.prepared(model):
+    if chooses_combines(spec, model):
+        with _timed(spent, "choose combines"):
+            spec = choose_combines(spec, model, lambda: trace(model, args, kwargs, hold_outputs=hold_outputs,
+                                                              device=_plans_for(device, cost_model)))
+    with _timed(spent, "trace"), spec.prepared(model):
         traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
     planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
     planned.timings = {**spent, **planned.timings}
@@ -273,6 +369,7 @@ class _Entry:
     calls: int = 0
     grad_deps: list | None = None     # per flat input: the tangents its gradient reads (see GradGate)
     gate: bool = True                 # whether calls need the gate (decided once the graph is known)
+    example: list | None = None       # the first call's state tensors and inputs (to trace it again)
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
@@ -387,7 +484,7 @@ class CompiledModule(torch.nn.Module):
                 "module cannot run a training step with them. Plan without weights with "
                 "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
                 "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
-        entry = _Entry(step=step, fn=None)
+        entry = _Entry(step=step, fn=None, example=step.state_tensors() + flat)
         record = GradRecord(entry)
         inputs, positions = self._gated(record, step.state_tensors() + flat)
         try:
@@ -403,6 +500,8 @@ class CompiledModule(torch.nn.Module):
         except InfeasibleBudgetError as exc:
             self._failures[key] = exc
             raise
+        finally:
+            entry.example = None  # traced: the first call's tensors are not held
         self._entries[key] = entry
         if entry.planned is None:  # AOTAutograd found no backward: the step has nothing to plan
             warnings.warn("no parameter or input of this call requires grad, so there is no backward "
@@ -426,8 +525,12 @@ class CompiledModule(torch.nn.Module):
         return self._trace_and_run_inductor(entry, inputs)
 
     def _trace_and_run_eager(self, entry: _Entry, inputs: list[torch.Tensor]):
-        entry.fn = aot_step(entry.step, self._partition(entry, self._spec))
-        with self._spec.strategy.prepared(self._orig_mod):
+        spec = self._spec
+        if chooses_combines(spec, self._orig_mod):
+            spec = choose_combines(spec, self._orig_mod,
+                                   lambda: trace_step(entry.step, self._orig_mod, entry.example))
+        entry.fn = aot_step(entry.step, self._partition(entry, spec))
+        with spec.prepared(self._orig_mod):
             return run_traced(entry.fn, self._orig_mod, inputs)
 
     def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):
@@ -444,7 +547,7 @@ class CompiledModule(torch.nn.Module):
             entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,
                                 bw_compiler=compilers.backward, decompositions=DECOMPOSITIONS)
             try:
-                with self._spec.strategy.prepared(self._orig_mod):
+                with self._spec.prepared(self._orig_mod):
                     out = run_traced(entry.fn, self._orig_mod, inputs)
             except CompiledOverBudget as over:
                 why = str(over)
@@ -547,7 +650,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     solver : str | callable | Strategy
         ``"cpsat"`` (default), ``"greedy"``, ``"save_all"``, ``"checkpoint_blocks"``, an MoE strategy
         (:data:`remat_compiler.solvers.SOLVERS`), or a callable
-        ``solve(cost_graph, budget_bytes, **opts) -> Plan``.
+        ``solve(cost_graph, budget_bytes, **opts) -> Plan``. On a model of
+        :class:`~remat_compiler.moe.MoELayer` s left at ``combine="autograd"``, ``"cpsat"`` also
+        chooses each layer's combine, autograd or fused, in its one solve (:func:`chooses_combines`).
     cost_model : passes.CostModel, optional
         Compute rate and bandwidths for the runtime estimate.
     plan : Plan or str, optional

@@ -16,7 +16,7 @@ from remat_compiler.errors import PlanMismatchError
 from passes.files import atomic_write_text
 from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simulate
 
-__all__ = ["Plan", "ValueInfo", "make_plan", "SCHEMA_VERSION"]
+__all__ = ["Plan", "ValueInfo", "make_plan", "moe_combine_of", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 2  # 2: reruns (version 1 documents, which have none, are still read)
 
@@ -152,6 +152,7 @@ class Plan:
                            and self.extras["allocator"] != "exact" else "")
                         + (f", runtimes for {rates}" if rates else "")
                         + (f" (traced on {traced})" if traced else ""))
+        head += _combine_lines(self.extras.get("moe_combine") or {})
         if self.rerun:
             head.append(f"recomputed again  {len(self.rerun)} times: "
                         + ", ".join(f"{v} at backward step {j}" for v, j in self.rerun[:6])
@@ -256,6 +257,49 @@ def _reason_recomputed(cg: CostGraph, n: str) -> str:
     return f"frees {human_bytes(a['bytes'])} between forward and first use for {a['runtime_s'] * 1e6:.1f} us"
 
 
+def moe_combine_of(cg: CostGraph) -> dict[str, dict]:
+    """How each :class:`~remat_compiler.moe.MoELayer` segment of ``cg`` was traced: its combine.
+
+    Returns
+    -------
+    dict
+        ``{segment: {"mode": "fused" | "autograd", "y_bytes": int}}`` for the segments
+        :mod:`passes.moe` tagged as ``kind="moe_layer"`` (empty for other graphs): ``"fused"`` when
+        the segment's GEMM2 -> A2A -> Unpermute ran as one
+        :class:`~remat_compiler.moe.FusedCombine`, and ``y_bytes`` the bytes of its GEMM2 output y
+        (what the autograd combine keeps for d(probs) and the fused one never stores).
+        A plan records it (``plan.extras["moe_combine"]``) so that applying the plan traces every
+        segment with the combine it was made for (:meth:`remat_compiler.api.PlanSpec.prepared`).
+    """
+    found: dict[str, dict] = {}
+    for n in cg.fw_order:
+        tag = cg.attr(n, "moe")
+        if not tag or tag.get("kind") != "moe_layer":
+            continue
+        seg = found.setdefault(tag["segment"], {"mode": "autograd", "y_bytes": 0})
+        if tag.get("fused"):
+            seg["mode"] = "fused"
+        if tag.get("role") == "gemm2":
+            seg["y_bytes"] = max(seg["y_bytes"], cg.attr(n, "bytes"))
+    return found
+
+
+def _combine_lines(combine: dict) -> list[str]:
+    """The explain() lines naming each MoE segment's combine and why it stores y or not."""
+    lines = []
+    for i, (seg, c) in enumerate(sorted(combine.items())):
+        y = human_bytes(c.get("y_bytes", 0))
+        if c.get("mode") == "fused":
+            why = (f"fused: y never stored ({y}); its backward reads the SwiGLU output, W2 and probs "
+                   f"(remat::combine_dgrad)")
+        else:
+            why = f"autograd: y ({y}) kept or recomputed for d(probs)" + (
+                "" if c.get("why") else " (solver='moe_cpsat' plans this segment with the fused combine)")
+        lines.append(f"{'MoE combine' if i == 0 else '':<17} {seg or '(model)'}: {why}"
+                     + (f"; {c['why']}" if c.get("why") else ""))
+    return lines
+
+
 def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, status: str = "optimal",
               gap: float = 0.0, solve_time_s: float = 0.0, model_peak_bytes: int | None = None,
               min_feasible_bytes: int | None = None, baseline_peak_bytes: int | None = None,
@@ -270,6 +314,9 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
         facts["traced_on"] = cg.g.graph["traced_on"]
     if cg.g.graph.get("cost_model") is not None:
         facts["cost_model"] = dict(cg.g.graph["cost_model"])
+    combine = moe_combine_of(cg)
+    if combine:
+        facts["moe_combine"] = combine
     extras = {**facts, **(extras or {})}
     schedule = build_schedule(cg, saved, rerun)
     sim = simulate(cg, schedule)

@@ -152,6 +152,27 @@ class PlanCache:
                           PlanCacheWarning, stacklevel=3)
             return None
 
+    def recorded_combines(self, key: str) -> dict[str, str] | None:
+        """The MoE combine per segment that the plan under ``key`` records
+        (``plan.extras["moe_combine"]``), read without verifying the plan: which graph to verify it
+        against (:meth:`load`) when the combines were chosen in the solve. None if there is no
+        readable plan file or it records none.
+
+        Raises
+        ------
+        OSError
+            If the file exists but cannot be read.
+        """
+        try:
+            with open(self.path(key), encoding="utf-8") as f:
+                doc = json.loads(f.read())
+            combine = json.loads(doc["plan"])["extras"]["moe_combine"]
+            return {seg: c["mode"] for seg, c in combine.items()}
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None  # not a plan that records them: load() reports what is wrong with the file
+
     @staticmethod
     def _verified(text: str, key: str, cg: CostGraph, budget_bytes: int | None) -> Plan:
         """The plan in a cache file's text, or ValueError / PlanMismatchError / PlanCheckError."""

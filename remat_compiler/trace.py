@@ -25,7 +25,8 @@ from passes import keys
 from remat_compiler.errors import UntraceableModelError
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint",
-           "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device", "DeviceTraceWarning"]
+           "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device", "DeviceTraceWarning",
+           "trace_step"]
 
 MODULE_KEY = keys.TRACE_MODULE
 MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
@@ -524,7 +525,19 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, ho
         If the model has data-dependent shapes or control flow; the message names the op and line.
     """
     step, flat_inputs = flatten_step(model, args, kwargs, hold_outputs=hold_outputs)
-    flat = step.state_tensors() + flat_inputs
+    return trace_step(step, model, step.state_tensors() + flat_inputs, device=device)
+
+
+def trace_step(step: StepFunction, model: torch.nn.Module, flat: list, *, device=None) -> TracedStep:
+    """:func:`trace` for a step already flattened (:func:`flatten_step`): ``flat`` is its state
+    tensors and then its inputs. Nothing runs for real (the step is traced on fake tensors), so a
+    compiled module's first call can trace its step again, e.g. with other MoE combines.
+
+    Raises
+    ------
+    UntraceableModelError
+        As :func:`trace`.
+    """
     trace_as = META_PLANS_FOR
     if device is not None and any(without_data(t) for t in flat):
         trace_as, step.plans_for = trace_device(device)

@@ -173,7 +173,10 @@ def test_cpsat_against_hand_picked_at_their_measured_peaks(compiled, measured, b
         assert measured_peak(module, *batch) <= budget
         if reference is not None:
             assert plan.recompute_s <= plans[reference].recompute_s + 1e-15, reference
-            assert plan.recompute_flops <= plans[reference].recompute_flops, reference
+            if all(c["mode"] == "autograd" for c in plan.extras["moe_combine"].values()):
+                # a plan of the reference's own graph; where the solve chose the fused combine for a
+                # segment (issue 16 part 2), a plan that is cheaper still may recompute a small GEMM
+                assert plan.recompute_flops <= plans[reference].recompute_flops, reference
         else:
             assert low < budget < high
             assert all(set(plan.saved) != set(p.saved) for p in plans.values())

@@ -45,6 +45,8 @@ __all__ = [
     "MoEStack",
     "expert_capacity",
     "fused_combine_mode",
+    "combine_modes",
+    "combine_modes_of",
 ]
 
 COMBINE_MODES = ("autograd", "fused")
@@ -535,24 +537,68 @@ def _check_args(hidden_size, ffn_hidden_size, num_experts, top_k, world, capacit
         raise ValueError(f"splits must be one of {SPLIT_MODES}, got {splits!r}")
 
 
+def combine_modes_of(model: torch.nn.Module) -> dict[str, str]:
+    """The ``combine_mode`` of every :class:`MoELayer` of ``model``, by module path.
+
+    Example
+    -------
+    >>> combine_modes_of(MoEStack(2, 16, 32, num_experts=4, top_k=2))  # doctest: +SKIP
+    {'layers.0': 'autograd', 'layers.1': 'autograd'}
+    """
+    return {path: m.combine_mode for path, m in model.named_modules() if isinstance(m, MoELayer)}
+
+
+@contextlib.contextmanager
+def combine_modes(model: torch.nn.Module, modes):
+    """Set the ``combine_mode`` of :class:`MoELayer` s of ``model`` while the block runs; restore them on exit.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    modes : {"autograd", "fused"} or mapping of str to str
+        One mode for every MoELayer, or a mode per MoELayer module path (as
+        :func:`combine_modes_of` and the MoE segments of a traced graph name them); layers not
+        named keep theirs.
+
+    Raises
+    ------
+    ValueError
+        For a mode that is not one of ``"autograd"``, ``"fused"``, or a path that is not an
+        MoELayer of ``model`` (naming the MoELayers it has).
+
+    Example
+    -------
+    >>> with combine_modes(model, {"layers.0": "fused"}):   # doctest: +SKIP
+    ...     traced = remat_compiler.trace(model, (x,))
+    """
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, MoELayer)}
+    wanted = {path: modes for path in layers} if isinstance(modes, str) else dict(modes)
+    for path, mode in wanted.items():
+        if mode not in COMBINE_MODES:
+            raise ValueError(f"combine mode of {path!r} must be one of {COMBINE_MODES}, got {mode!r}")
+        if path not in layers:
+            raise ValueError(f"{path!r} is not an MoELayer of the model; its MoELayers: "
+                             f"{', '.join(repr(p) for p in layers) or 'none'}")
+    before = {path: m.combine_mode for path, m in layers.items()}
+    try:
+        for path, mode in wanted.items():
+            layers[path].combine_mode = mode
+        yield model
+    finally:
+        for path, mode in before.items():
+            layers[path].combine_mode = mode
+
+
 @contextlib.contextmanager
 def fused_combine_mode(model: torch.nn.Module):
-    """Set ``combine_mode = "fused"`` on every :class:`MoELayer` of ``model``, and run every transformers
-    MoE block whose experts follow the fused pattern with the fused combine
-    (:func:`~remat_compiler.moe.hf.hf_fused_combine_mode`); restore both on exit.
+    """Set ``combine_mode = "fused"`` on every :class:`MoELayer` of ``model`` (:func:`combine_modes` with
+    one mode for all), and run every transformers MoE block whose experts follow the fused pattern with
+    the fused combine (:func:`~remat_compiler.moe.hf.hf_fused_combine_mode`); restore both on exit.
 
     Example
     -------
     >>> with fused_combine_mode(model):       # doctest: +SKIP
     ...     traced = remat_compiler.trace(model, (x,))
     """
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    before = [m.combine_mode for m in layers]
-    try:
-        for m in layers:
-            m.combine_mode = "fused"
-        with hf_fused_combine_mode(model):
-            yield model
-    finally:
-        for m, mode in zip(layers, before):
-            m.combine_mode = mode
+    with combine_modes(model, "fused"), hf_fused_combine_mode(model):
+        yield model

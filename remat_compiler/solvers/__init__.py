@@ -17,8 +17,9 @@ import torch
 
 from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.graph import CostGraph
-from remat_compiler.moe.layer import fused_combine_mode
-from remat_compiler.plan import Plan
+from remat_compiler.errors import PlanMismatchError
+from remat_compiler.moe.layer import combine_modes, fused_combine_mode
+from remat_compiler.plan import Plan, make_plan, moe_combine_of
 from remat_compiler.schedule import no_recompute
 from remat_compiler.solvers.baselines import solve_checkpoint_blocks, solve_save_all
 from remat_compiler.solvers.cpsat import OPTIONS as CPSAT_OPTIONS, solve_cpsat
@@ -26,7 +27,7 @@ from remat_compiler.solvers.greedy import solve_greedy
 from remat_compiler.solvers.moe import solve_moe_cpsat, solve_moe_custom, solve_moe_fast, solve_moe_origin
 
 __all__ = ["Strategy", "SOLVERS", "solve", "get_solver", "resolve_budget", "solve_save_all",
-           "solve_checkpoint_blocks", "solve_cpsat", "solve_greedy"]
+           "solve_checkpoint_blocks", "solve_cpsat", "solve_greedy", "chosen_combines"]
 
 
 @dataclass(frozen=True)
@@ -131,3 +132,47 @@ def solve(cg: CostGraph, budget, solver: str | Callable[..., Plan] | Strategy = 
     strategy.check_options(options)
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     return strategy.solve(cg, resolve_budget(cg, parsed), **options)
+
+
+def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: float,
+                    model_peak_bytes: int, why: dict[str, str],
+                    on_plan: Callable[[Plan], None] | None = None) -> Strategy:
+    """The ``cpsat`` strategy that applies a choice already made by one solve over both MoE combines
+    (:func:`remat_compiler.solvers.cpsat.choice.solve_choice`): it traces every MoELayer segment with
+    its chosen combine (``prepare``) and makes the plan of the chosen saved set on that graph.
+
+    Parameters
+    ----------
+    modes : dict of str to str
+        Each segment's combine.
+    saved : iterable of str
+        The saved forward values.
+    status, solve_time_s, model_peak_bytes :
+        As the solve found them (the plan records them; ``check_plan`` holds the simulated peak to
+        ``model_peak_bytes``).
+    why : dict of str to str
+        Per segment, why its combine was chosen (``plan.explain()`` says it).
+    on_plan : callable, optional
+        Called with the plan once it is made (a plan cache stores it).
+
+    Returns
+    -------
+    Strategy
+        Its ``solve(cg, budget_bytes)`` raises PlanMismatchError on a graph whose segments were
+        traced with other combines.
+    """
+    saved = list(saved)
+
+    def solve(cg: CostGraph, budget_bytes: int | None) -> Plan:
+        combine = moe_combine_of(cg)
+        if {seg: c["mode"] for seg, c in combine.items()} != modes:
+            raise PlanMismatchError(f"the graph's MoE combines {combine} are not the ones chosen, {modes}")
+        for seg, c in combine.items():
+            c["why"] = why[seg]
+        plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status,
+                         solve_time_s=solve_time_s, model_peak_bytes=model_peak_bytes,
+                         extras={"moe_combine": combine})
+        if on_plan is not None:
+            on_plan(plan)
+        return plan
+    return Strategy("cpsat", solve, prepare=lambda model: combine_modes(model, modes), searching=True)

@@ -21,8 +21,10 @@ saves what backward reads there (as :func:`~remat_compiler.schedule.save_all_set
 ``moe_cpsat``   CP-SAT (``solve_cpsat``, same options) over the fused-combine graph
 ==============  ===================================================================================
 
-The default ``solver="cpsat"`` plans the graph as the model is (``combine="autograd"`` unless the
-user set ``"fused"``); ``moe_cpsat`` offers CP-SAT the fused custom backward.
+``moe_cpsat`` offers CP-SAT the fused custom backward everywhere; the default ``solver="cpsat"``
+chooses between the two combines per segment in its one solve where every MoELayer keeps
+``combine="autograd"`` (:func:`remat_compiler.api.chooses_combines`,
+:mod:`remat_compiler.solvers.cpsat.choice`), and otherwise plans the graph as the model is.
 
 Example
 -------

@@ -1,0 +1,400 @@
+"""One CP-SAT model that also chooses each MoELayer segment's combine (autograd or fused).
+
+The model is :mod:`.model`'s (save / recompute decisions, one cumulative of live intervals on the
+simulator's node-level time axis) over the *union* backward of a
+:class:`~remat_compiler.solvers.combine_choice.CombineUnion`: the shared backward nodes, and at each
+segment's place both its autograd piece and then its fused piece. One Boolean per segment,
+``fused[s]``, is the presence of everything its fused piece does and the absence of everything its
+autograd piece does:
+
+- the backward values a piece allocates are optional intervals (times from that mode's no-recompute
+  simulation, mapped onto the union's steps), present with the piece;
+- a value the rest of the backward makes and a piece reads (the segment's output gradient ``G``) is
+  live to its last reader in the chosen piece: one optional interval per mode;
+- a forward value a piece reads (only the autograd piece reads the gathered expert output y) is
+  needed, and its last read and the step it is recomputed at are bounded, only when the piece is
+  present (``need``, ``last`` and ``first`` take the read under the piece's literal).
+
+The absent piece's steps then run nothing: what is live across them is live at the next present
+node too, so the cumulative's peak is the simulated peak of the graph traced with the chosen
+combines (``check_plan`` holds the plan to it). One case is bounded rather than exact: a value
+outside the pieces that the pieces of two segments read is live to the later of its ends in every
+choice (an MoELayer stack has none: each segment's pieces read only its own output gradient). The
+objective is the recompute cost, then the peak, in one
+lexicographic objective of one solve. Reruns, warm starts and the block decomposition of
+:func:`~remat_compiler.solvers.cpsat.solve_cpsat` are not used here.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import reduce
+
+from ortools.sat.python import cp_model
+
+from remat_compiler.budget import human_bytes
+from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.schedule import bw_time, no_recompute, recomputed_outputs
+from remat_compiler.solvers.combine_choice import CombineUnion
+from remat_compiler.solvers.cpsat.costs import cost_units
+from remat_compiler.solvers.cpsat.parts import add_decisions, alloc_index, is_const, storage_readers
+from remat_compiler.solvers.cpsat.run import make_solver, run_solver
+
+__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "solve_choice", "reasons"]
+
+
+@dataclass
+class Choice:
+    """What the one solve chose.
+
+    Attributes
+    ----------
+    modes : dict of str to str
+        Each segment's combine, ``"autograd"`` or ``"fused"``.
+    saved : list of str
+        The forward values saved (names are the same in every mode's graph).
+    model_peak_bytes : int
+        The model's peak (the simulated peak of the graph traced with ``modes``).
+    cost : int
+        The recompute cost, in :func:`~remat_compiler.solvers.cpsat.costs.cost_units`.
+    status : str
+        ``"optimal"`` or ``"feasible"``.
+    solve_time_s : float
+    """
+
+    modes: dict[str, str]
+    saved: list[str]
+    model_peak_bytes: int
+    cost: int
+    status: str
+    solve_time_s: float
+
+
+@dataclass
+class ChoiceModel:
+    """The built model and the handles to read a solution back: the per-segment Booleans (true:
+    fused), the save decisions, the peak variable (in ``unit_bytes``) and the cost expression."""
+
+    model: cp_model.CpModel
+    fused: dict[str, cp_model.IntVar]
+    saved: dict[str, cp_model.IntVar]
+    peak: cp_model.IntVar
+    cost: cp_model.LinearExpr
+    unit_bytes: int
+
+
+def union_steps(union: CombineUnion) -> list[tuple[str, str, str | None]]:
+    """The union backward: ``(mode, name, segment)`` per step, ``mode`` ``"shared"`` (autograd's
+    name) or the piece's mode; each segment's autograd piece runs, then its fused one."""
+    cg_a = union.graphs["autograd"]
+    starts = {both["autograd"].start: seg for seg, both in union.pieces.items()}
+    inside = {n for both in union.pieces.values() for n in both["autograd"].nodes}
+    steps = []
+    for j, n in enumerate(cg_a.bw_order):
+        if j in starts:
+            seg = starts[j]
+            steps += [("autograd", m, seg) for m in union.pieces[seg]["autograd"].nodes]
+            steps += [("fused", m, seg) for m in union.pieces[seg]["fused"].nodes]
+        if n not in inside:
+            steps.append(("shared", n, None))
+    return steps
+
+
+def _time_maps(union: CombineUnion, steps):
+    """``to_union[mode](t)``: a time of that mode's all-one-mode graph on the union's axis."""
+    F = len(union.graphs["autograd"].fw_order)
+    step_of = {"autograd": {}, "fused": {}}
+    fused_name = {a: f for a, f in union.shared}
+    for k, (mode, n, _seg) in enumerate(steps):
+        if mode == "shared":
+            step_of["autograd"][n] = k
+            step_of["fused"][fused_name[n]] = k
+        else:
+            step_of[mode][n] = k
+
+    def mapper(mode):
+        order = union.graphs[mode].bw_order
+
+        def to_union(t: int) -> int:
+            if t < F:
+                return t
+            j, slot = divmod(t - F, F + 1)
+            return bw_time(F, step_of[mode][order[j]], slot if slot < F else None)
+        return to_union
+    return {mode: mapper(mode) for mode in ("autograd", "fused")}
+
+
+def _readers_by_segment(union: CombineUnion) -> dict[str, set[str]]:
+    """Autograd-graph names of the values outside the pieces that each segment's pieces read."""
+    autograd_name = {f: a for a, f in union.shared}
+    found: dict[str, set[str]] = {}
+    for seg, both in union.pieces.items():
+        for mode, piece in both.items():
+            cg = union.graphs[mode]
+            inside = set(piece.nodes)
+            for n in piece.nodes:
+                for p in cg.preds(n):
+                    if p in inside:
+                        continue
+                    for q in (p, cg.storage(p)):
+                        if q is not None:
+                            found.setdefault(autograd_name.get(q, q) if mode == "fused" else q, set()).add(seg)
+    return found
+
+
+def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objective: str = "runtime"):
+    """Build the one model (see the module docstring).
+
+    Parameters
+    ----------
+    union : CombineUnion
+    budget_bytes : int | None
+        Upper bound of the peak (None: unbounded).
+    objective : "runtime" | "flops"
+        What the recompute cost counts (:func:`~remat_compiler.solvers.cpsat.costs.cost_units`).
+
+    Returns
+    -------
+    ChoiceModel
+    """
+    cg = union.graphs["autograd"]  # the forward, and the shared backward by its names
+    graphs = union.graphs
+    steps = union_steps(union)
+    B = len(steps)
+    F, fw_reads, _bw, rc_readers = storage_readers(cg)
+    m = cp_model.CpModel()
+    fused = {seg: m.new_bool_var(f"fused_{seg}") for seg in union.pieces}
+    lit = {"autograd": {s: ~b for s, b in fused.items()}, "fused": fused}
+    to_union = _time_maps(union, steps)
+
+    # the backward's reads of forward values, each with the literal of its piece (None: always)
+    in_m = {v for v in cg.fw_order if not cg.is_available_in_bw(v)}
+    M = [v for v in cg.fw_order if v in in_m]
+    direct_first: dict[str, int] = {}
+    cond_direct: dict[str, list] = {}
+    bw_last: dict[str, int] = {}
+    cond_last: dict[str, list] = {}
+    for k, (mode, n, seg) in enumerate(steps):
+        g = graphs["autograd" if mode == "shared" else mode]
+        when = None if mode == "shared" else lit[mode][seg]
+        for p in g.preds(n):
+            if g.attr(p, "phase") != "fw":
+                continue
+            o = cg.storage(p)
+            if when is None:
+                if p in in_m:
+                    direct_first.setdefault(p, k)
+                if o is not None:
+                    bw_last[o] = k
+            else:
+                if p in in_m:
+                    cond_direct.setdefault(p, []).append((k, when))
+                if o is not None:
+                    cond_last.setdefault(o, []).append((k, when))
+    s, r, need = add_decisions(m, cg, M, set(direct_first))
+    for v, reads in cond_direct.items():
+        for _k, when in reads:
+            if not is_const(need[v]):
+                m.add_implication(when, need[v])
+
+    # first[v]: the first step needing v; st[v]: where a recomputed v is materialised
+    st = {v: m.new_int_var(0, direct_first.get(v, B - 1), f"st_{v}") for v in M}
+    first = {v: m.new_int_var(0, B - 1, f"first_{v}") for v in M}
+    getitem_parent = {u: cg.preds(u)[0] for u in M if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
+    for v in M:
+        terms = [direct_first[v]] if v in direct_first else []
+        for k, when in cond_direct.get(v, ()):
+            x = m.new_int_var(0, B - 1, f"xc_{v}_{k}")
+            m.add(x == k).only_enforce_if(when)
+            m.add(x == B - 1).only_enforce_if(~when)
+            terms.append(x)
+        for w in cg.g.successors(v):
+            if w not in in_m:
+                continue
+            at = first[w] if getitem_parent.get(w) == v else st[w]
+            x = m.new_int_var(0, B - 1, f"x_{v}_{w}")
+            if is_const(r[w]):
+                m.add(x == B - 1)
+            else:
+                m.add(x == at).only_enforce_if(r[w])
+                m.add(x == B - 1).only_enforce_if(~r[w])
+            terms.append(x)
+        m.add_min_equality(first[v], terms or [B - 1])
+        if v in getitem_parent:
+            m.add(st[v] == st[getitem_parent[v]]).only_enforce_if(r[v])
+        else:
+            m.add(st[v] == first[v])
+
+    # intervals: (start, end, bytes, literal or None; end may be a variable)
+    fixed = _fixed_intervals(union, to_union, lit)
+    cands = cg.candidates
+    sizes = [cg.attr(c, "bytes") for c in cg.fw_order if cg.storage(c) == c] + [b for _a, _z, b, _w in fixed]
+    unit = reduce(math.gcd, [b for b in sizes if b > 0], 0) or 1
+    intervals, demands = [], []
+    for i, (a, z, size, when) in enumerate(fixed):
+        if when is None:
+            intervals.append(m.new_fixed_size_interval_var(a, z - a + 1, f"fix_{i}"))
+        else:
+            intervals.append(m.new_optional_fixed_size_interval_var(a, z - a + 1, when, f"opt_{i}"))
+        demands.append(size // unit)
+    t_end = bw_time(F, B - 1)
+    idx = cg.fw_index
+    for v in cands:
+        size = cg.attr(v, "bytes") // unit
+        a = alloc_index(cg, v)
+        e = max(fw_reads.get(v, a), a)
+        intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
+        demands.append(size)
+        if v not in in_m:
+            continue
+        lo = bw_last.get(v, -1)
+        last = m.new_int_var(bw_time(F, lo) if lo >= 0 else F, t_end, f"last_{v}")
+        for k, when in cond_last.get(v, ()):
+            m.add(last >= bw_time(F, k)).only_enforce_if(when)
+        for u in rc_readers.get(v, ()):
+            if u in in_m and u != v:
+                m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
+        rc_start = m.new_int_var(bw_time(F, 0, a), bw_time(F, B - 1, a), f"rcs_{v}")
+        m.add(rc_start == bw_time(F, st[v], a))
+        m.add(last >= rc_start).only_enforce_if(r[v])
+        sv_size = m.new_int_var(0, t_end + 1, f"svsz_{v}")
+        m.add(sv_size == last - e)
+        sv_end = m.new_int_var(0, t_end + 2, f"svend_{v}")
+        intervals.append(m.new_optional_interval_var(e + 1, sv_size, sv_end, s[v], f"sv_{v}"))
+        demands.append(size)
+        rc_size = m.new_int_var(1, t_end + 1, f"rcsz_{v}")
+        m.add(rc_size == last - rc_start + 1).only_enforce_if(r[v])
+        rc_end = m.new_int_var(F, t_end + 2, f"rce_{v}")
+        intervals.append(m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}"))
+        demands.append(size)
+    cand_set = set(cands)
+    for v in M:  # a recomputed multi-output op: its untaken outputs, and those it takes, while it runs
+        if not cg.attr(v, "is_tuple"):
+            continue
+        if cg.attr(v, "bytes") > 0 and v not in cand_set:
+            span = max([idx[u] for u in cg.g.successors(v) if u in in_m], default=idx[v]) - idx[v] + 1
+            start = m.new_int_var(bw_time(F, 0, idx[v]), bw_time(F, B - 1, idx[v]), f"tups_{v}")
+            m.add(start == bw_time(F, st[v], idx[v]))
+            intervals.append(m.new_optional_fixed_size_interval_var(start, span, r[v], f"tup_{v}"))
+            demands.append(cg.attr(v, "bytes") // unit)
+        if cg.attr(v, "never_recompute"):
+            continue
+        for u in recomputed_outputs(cg, v):
+            if u in r:
+                present = m.new_bool_var(f"tmp_{u}")
+                m.add_bool_and([r[v], ~r[u]]).only_enforce_if(present)
+                m.add_bool_or([~r[v], r[u], present])
+            else:
+                present = r[v]
+            at = m.new_int_var(bw_time(F, 0, idx[v]), bw_time(F, B - 1, idx[v]), f"tmps_{u}")
+            m.add(at == bw_time(F, st[v], idx[v]))
+            intervals.append(m.new_optional_fixed_size_interval_var(at, 1, present, f"tmp_{u}"))
+            demands.append(cg.attr(u, "bytes") // unit)
+    cap_hi = sum(demands) + 1
+    peak_hi = cap_hi if budget_bytes is None else min(cap_hi, budget_bytes // unit)
+    peak = m.new_int_var(0, max(peak_hi, 0), "peak")
+    m.add_cumulative(intervals, demands, peak)
+    costs = {v: cost_units(cg, v, objective) for v in M}
+    cost = sum(costs[v] * r[v] for v in M if costs[v] > 0)
+    m.minimize(cost * (max(peak_hi, 0) + 1) + peak)  # the least cost, then the least peak at it
+    return ChoiceModel(m, fused, s, peak, cost, unit)
+
+
+def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int, int, object]]:
+    """The lives no save decision changes, on the union's axis, with the literal they need (None:
+    in every choice). From each mode's no-recompute simulation: a piece's own values with its
+    literal; a value outside the pieces that one segment's pieces read, per mode to that mode's
+    last read (the same life in both modes if they agree)."""
+    cg_a, cg_f = union.graphs["autograd"], union.graphs["fused"]
+    sims = {"autograd": no_recompute(cg_a), "fused": no_recompute(cg_f)}
+    piece_seg = {mode: {n: seg for seg, both in union.pieces.items() for n in both[mode].nodes}
+                 for mode in ("autograd", "fused")}
+    fused_name = {a: f for a, f in union.shared}
+    read_by = _readers_by_segment(union)
+    cands = set(cg_a.candidates)
+    out = []
+    for mode in ("autograd", "fused"):
+        for key, size in sims[mode].sizes.items():
+            seg = piece_seg[mode].get(key[0])
+            if seg is None or size <= 0:
+                continue
+            a, z = sims[mode].times[key]
+            out.append((to_union[mode](a), to_union[mode](z), size, lit[mode][seg]))
+    for key, size in sims["autograd"].sizes.items():
+        n = key[0]
+        if n in cands or size <= 0 or n in piece_seg["autograd"]:
+            continue
+        a, z = sims["autograd"].times[key]
+        ta, tz = to_union["autograd"](a), to_union["autograd"](z)
+        other = sims["fused"].times.get((fused_name.get(n, n), key[1]))
+        if other is None:
+            raise ValueError(f"value {n!r} of the autograd graph has no counterpart in the fused one")
+        fa, fz = to_union["fused"](other[0]), to_union["fused"](other[1])
+        segs = read_by.get(n, set())
+        if (ta, tz) == (fa, fz):
+            out.append((ta, tz, size, None))
+        elif ta == fa and len(segs) == 1:
+            (seg,) = segs
+            out.append((ta, tz, size, lit["autograd"][seg]))
+            out.append((fa, fz, size, lit["fused"][seg]))
+        else:  # read by two segments' pieces: live to the later end either way (an upper bound)
+            out.append((min(ta, fa), max(tz, fz), size, None))
+    return out
+
+
+def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
+                 num_workers: int | None = None, objective: str = "runtime") -> Choice:
+    """Choose every segment's combine and the saved set in one CP-SAT solve.
+
+    Parameters
+    ----------
+    union : CombineUnion
+    budget_bytes : int | None
+    time_limit_s : float
+    num_workers : int, optional
+    objective : "runtime" | "flops"
+
+    Returns
+    -------
+    Choice
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        If no choice of combines and saved set was found under the budget (none fits, or none was
+        found in time). Its smallest feasible budget is not searched (it names the budget itself,
+        unproven): :func:`remat_compiler.api.choose_combines` then plans the model as it is, with
+        :func:`~remat_compiler.solvers.cpsat.solve_cpsat`'s reruns and lowest-peak search.
+    """
+    t0 = time.perf_counter()
+    cm = build_choice_model(union, budget_bytes, objective=objective)
+    solver = make_solver(time_limit_s, num_workers, deterministic=False)
+    status = run_solver(solver, cm.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
+                                    advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the smallest")
+    modes = {seg: "fused" if solver.boolean_value(b) else "autograd" for seg, b in cm.fused.items()}
+    saved = [v for v, var in cm.saved.items() if solver.value(var)]
+    return Choice(modes, saved, solver.value(cm.peak) * cm.unit_bytes, int(solver.value(cm.cost)),
+                  "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0)
+
+
+
+def reasons(choice: Choice, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
+    """Why each segment got its combine, for ``plan.explain()``.
+
+    Parameters
+    ----------
+    choice : Choice
+    flipped_peak_bytes : dict of str to int
+        Per segment, the simulated step peak of the same saved set with that segment's combine
+        switched to the other one (what it needs then is recomputed; a comparison, not a solve).
+    """
+    found = {}
+    for seg, mode in choice.modes.items():
+        other = "autograd" if mode == "fused" else "fused"
+        found[seg] = (f"chosen in the one CP-SAT solve with the saved set: step peak "
+                      f"{human_bytes(choice.model_peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
+                      f"with the {other} combine here and the same saved set")
+    return found

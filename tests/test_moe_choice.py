@@ -1,0 +1,331 @@
+"""Each MoE segment's combine (autograd or fused, issue 16 part 2): set per segment, recorded by the
+plan, explained, and reproduced when a saved plan is applied.
+
+Workload: ``moe_peak_worker``'s two-layer stack (float64, H=16, F=32, top-2, 4 experts, 32 tokens)
+with its loss inside, on one process.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_peak_worker as worker
+import remat_compiler
+from moe_uneven_worker import run_step
+from remat_compiler.api import analyze
+from remat_compiler.memory import LiveStorageTracker
+from remat_compiler.moe.layer import combine_modes, combine_modes_of, fused_combine_mode
+from remat_compiler.plan import Plan, moe_combine_of
+from remat_compiler.schedule import peak_of
+from remat_compiler.solvers.combine_choice import align_combines
+from remat_compiler.solvers.cpsat.choice import solve_choice, union_steps
+
+TOL = dict(rtol=1e-10, atol=1e-12)  # float64
+SHAPE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2)
+SEGMENTS = ("inner.layers.0", "inner.layers.1")
+Y_BYTES = 4 * 32 * 16 * 8  # GEMM2's output: [E_local=4, C=32, H=16] float64
+
+
+def mixed_model():
+    """Layer 0 with the fused combine, layer 1 with the autograd one."""
+    model = worker.make_model(SHAPE)
+    model.inner.layers[0].combine_mode = "fused"
+    return model
+
+
+def assert_same(got: dict, want: dict, label: str) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL, msg=lambda m: f"{label} {k}: {m}")
+
+
+def measured_peaks(module, x, steps: int = 3) -> list[int]:
+    peaks = []
+    for _ in range(steps):
+        for p in module.parameters():
+            p.grad = None
+        xx = x.detach().clone().requires_grad_(True)
+        with LiveStorageTracker() as mem:
+            module(xx).backward()
+        peaks.append(mem.peak_bytes)
+    return peaks
+
+
+def assert_exact(module, x, label: str) -> None:
+    """The median measured step peak is the plan's predicted one, within its budget."""
+    peaks = sorted(measured_peaks(module, x))
+    assert peaks[len(peaks) // 2] == module.plan.peak_bytes, (label, peaks, module.plan.peak_bytes)
+    if module.plan.budget_bytes is not None:
+        assert module.plan.peak_bytes <= module.plan.budget_bytes, label
+
+
+@pytest.fixture(scope="module")
+def x():
+    return worker.make_tokens(SHAPE)
+
+
+def test_combine_modes_sets_per_segment_and_restores():
+    model = worker.make_model(SHAPE)
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+    with combine_modes(model, {"inner.layers.0": "fused"}):
+        assert combine_modes_of(model) == {"inner.layers.0": "fused", "inner.layers.1": "autograd"}
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+    with pytest.raises(RuntimeError), combine_modes(model, "fused"):
+        assert combine_modes_of(model) == {s: "fused" for s in SEGMENTS}
+        raise RuntimeError("restored on the way out")
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+    with fused_combine_mode(model):
+        assert set(combine_modes_of(model).values()) == {"fused"}
+    with pytest.raises(ValueError, match="not an MoELayer of the model; its MoELayers: 'inner.layers.0'"):
+        with combine_modes(model, {"inner.layers.2": "fused"}):
+            pass
+    with pytest.raises(ValueError, match="must be one of"):
+        with combine_modes(model, {"inner.layers.0": "custom"}):
+            pass
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+
+
+def test_graph_and_plan_record_each_segment_combine(x):
+    _, cg = analyze(mixed_model(), (x,))
+    want = {"inner.layers.0": {"mode": "fused", "y_bytes": Y_BYTES},
+            "inner.layers.1": {"mode": "autograd", "y_bytes": Y_BYTES}}
+    assert moe_combine_of(cg) == want
+    plan = remat_compiler.plan_model(mixed_model(), (x,), solver="save_all").plan
+    assert plan.extras["moe_combine"] == want
+    text = plan.explain()
+    assert "inner.layers.0: fused: y never stored (16.00 KiB)" in text
+    assert "inner.layers.1: autograd: y (16.00 KiB) kept or recomputed for d(probs)" in text
+    assert Plan.from_json(plan.to_json()).extras["moe_combine"] == want
+
+
+def test_mixed_combines_compile_exactly(x):
+    """A CP-SAT plan of a model whose layers use different combines: gradients of the model in its
+    own modes, measured peak = predicted <= budget."""
+    eager = run_step(mixed_model(), x)
+    budget = int(0.8 * remat_compiler.plan_model(mixed_model(), (x,), solver="save_all").plan.peak_bytes)
+    module = remat_compiler.compile(mixed_model(), budget, time_limit_s=10)
+    assert_same(run_step(module, x), eager, "mixed")
+    assert module.plan.extras["moe_combine"]["inner.layers.0"]["mode"] == "fused"
+    assert module.plan.extras["moe_combine"]["inner.layers.1"]["mode"] == "autograd"
+    assert_exact(module, x, "mixed")
+
+
+@pytest.mark.parametrize("made_on", ["moe_custom", "mixed"])
+def test_saved_plan_traces_the_combine_it_was_made_for(x, tmp_path, made_on):
+    """``compile(model, plan=Plan.load(p))`` with the default solver traces every segment with the
+    combine the plan records (a moe_custom plan: fused; a mixed model's plan: its modes), on a model
+    built with the default autograd combine, and leaves the model's own modes as they were."""
+    if made_on == "moe_custom":
+        first = remat_compiler.compile(worker.make_model(SHAPE), solver="moe_custom")
+        eager = run_step(worker.make_model(SHAPE), x)  # the autograd combine: equal up to rounding
+    else:
+        first = remat_compiler.compile(mixed_model(), time_limit_s=5)
+        eager = run_step(mixed_model(), x)
+    run_step(first, x)
+    first.plan.save(tmp_path / "plan.json")
+    model = worker.make_model(SHAPE)
+    again = remat_compiler.compile(model, plan=Plan.load(tmp_path / "plan.json"))
+    assert_same(run_step(again, x), eager, made_on)
+    assert again.planned.source == "given"
+    assert again.plan.extras["moe_combine"] == first.plan.extras["moe_combine"]
+    assert again.plan.fingerprint == first.plan.fingerprint
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+    assert_exact(again, x, made_on)
+
+
+# ---------------------------------------------------------------- the two combines aligned
+
+
+def _signature(cg, n):
+    tag = cg.attr(n, "moe") or {}
+    return cg.attr(n, "op"), cg.attr(n, "shape"), tag.get("segment"), tag.get("role")
+
+
+@pytest.fixture(scope="module")
+def union(x):
+    model = worker.make_model(SHAPE)
+    _, cg_a = analyze(model, (x,))
+    _, cg_f = analyze(model, (x,), solver="moe_cpsat")
+    return align_combines(cg_a, cg_f)
+
+
+def test_the_combines_differ_in_one_backward_piece_per_segment(union):
+    """Same forward; per segment one contiguous backward piece; only the autograd piece reads the
+    gathered y (the unpermute's index_select), and both hand the rest of the backward dL/da,
+    dL/dp and dL/dW2."""
+    assert list(union.pieces) == ["inner.layers.1", "inner.layers.0"]  # backward runs layer 1 first
+    for seg, both in union.pieces.items():
+        auto, fused = both["autograd"], both["fused"]
+        y = [v for v in auto.fw_reads if union.graphs["autograd"].attr(v, "op") == "aten.index_select.default"]
+        assert len(y) == 1 and union.graphs["autograd"].attr(y[0], "shape") == (32 * 2, 16), seg
+        assert y[0] not in fused.fw_reads, seg
+        act = [v for v in fused.fw_reads if (union.graphs["fused"].attr(v, "moe") or {}).get("role") == "act"]
+        assert act and set(act) <= set(auto.fw_reads), seg  # both read the SwiGLU output
+        assert sorted(auto.outputs.values()) == sorted(fused.outputs.values()) and len(auto.outputs) == 3
+        assert auto.bw_inputs == fused.bw_inputs  # G, produced by the shared backward
+        assert any(n == "remat.combine_dgrad.default" for n in (union.graphs["fused"].attr(m, "op") for m in fused.nodes))
+
+
+@pytest.mark.parametrize("modes", [{"inner.layers.0": "fused", "inner.layers.1": "autograd"},
+                                   {"inner.layers.0": "autograd", "inner.layers.1": "fused"},
+                                   {"inner.layers.0": "fused", "inner.layers.1": "fused"}])
+def test_materialised_backward_is_the_traced_one(union, x, modes):
+    """Splicing the chosen pieces between the shared nodes gives, op for op, the backward of the step
+    traced with those combines, whose forward is the same."""
+    model = worker.make_model(SHAPE)
+    with combine_modes(model, modes):
+        _, cg = analyze(model, (x,))
+    assert cg.fw_order == union.graphs["autograd"].fw_order
+    got = [_signature(union.graphs["autograd" if mode == "shared" else mode], n)
+           for mode, n in union.materialise(modes)]
+    assert got == [_signature(cg, n) for n in cg.bw_order]
+
+
+def test_alignment_refuses_what_it_cannot_pair(union, x):
+    with pytest.raises(ValueError, match="needs a combine mode"):
+        union.materialise({"inner.layers.0": "fused"})
+    with pytest.raises(ValueError, match="no MoELayer segment"):
+        union.materialise({"inner.layers.0": "fused", "inner.layers.1": "fused", "inner.layers.7": "fused"})
+    cg_a = union.graphs["autograd"]
+    with pytest.raises(ValueError, match="was not traced with every MoELayer in combine='fused'"):
+        align_combines(cg_a, cg_a)
+    other = dict(SHAPE, hidden_size=24)
+    _, cg_other = analyze(worker.make_model(other), (worker.make_tokens(other),), solver="moe_cpsat")
+    with pytest.raises(ValueError, match="differs between the two combines' graphs"):
+        align_combines(cg_a, cg_other)
+
+
+# ---------------------------------------------------------------- the default solve chooses
+
+
+def _modes(plan) -> dict:
+    return {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()}
+
+
+def _plan(shape, budget, solver="cpsat"):
+    """The plan ``compile`` makes on its first call (the graph it runs, which is what plans are
+    compared on)."""
+    options = {} if solver in ("moe_custom", "moe_fast") else {"time_limit_s": 10}
+    module = remat_compiler.compile(worker.make_model(shape), budget, solver=solver, **options)
+    run_step(module, worker.make_tokens(shape))
+    return module.plan
+
+
+def _compile_and_check(shape, budget):
+    """The default compile at ``budget``: gradients of eager's model, measured peak = predicted."""
+    x = worker.make_tokens(shape)
+    module = remat_compiler.compile(worker.make_model(shape), budget, time_limit_s=10)
+    assert_same(run_step(module, x), run_step(worker.make_model(shape), x), f"cpsat at {budget}")
+    assert_exact(module, x, f"cpsat at {budget}")
+    return module
+
+
+def test_default_solve_picks_the_fused_combine_where_it_is_cheaper():
+    """Two layers, H=24, F=8, top-1 at moe_custom's peak: one solve picks the fused combine for both
+    segments, at moe_cpsat's cost and below the autograd graph's."""
+    shape = worker.SHAPES[3]
+    budget = _plan(shape, None, "moe_custom").peak_bytes
+    module = _compile_and_check(shape, budget)
+    plan = module.plan
+    assert plan.solver == "cpsat" and _modes(plan) == {s: "fused" for s in SEGMENTS}
+    fused = _plan(shape, budget, "moe_cpsat")
+    assert plan.status == fused.status == "optimal"
+    assert plan.recompute_s == pytest.approx(fused.recompute_s, rel=1e-9)
+    autograd = _plan(shape, budget, remat_compiler.solvers.solve_cpsat)  # the graph as the model is
+    assert plan.recompute_s < autograd.recompute_s
+
+
+def test_default_solve_mixes_combines_where_that_is_cheaper_than_either():
+    """Two layers, H=16, F=32, top-2 at moe_fast's peak: layer 0 fused, layer 1 autograd, with no GEMM
+    recomputed, where a solve over either combine alone recomputes one and costs more."""
+    shape = worker.SHAPES[4]
+    budget = _plan(shape, None, "moe_fast").peak_bytes
+    plan = _compile_and_check(shape, budget).plan
+    assert _modes(plan) == {"inner.layers.0": "fused", "inner.layers.1": "autograd"}
+    assert plan.recompute_flops == 0
+    for solver in ("moe_cpsat", remat_compiler.solvers.solve_cpsat):
+        alone = _plan(shape, budget, solver)
+        assert alone.recompute_flops > 0 and plan.recompute_s < alone.recompute_s, solver
+
+
+def test_default_solve_keeps_the_autograd_combine_where_it_is_cheaper():
+    """One layer, H=16, F=24, top-2, below moe_custom's peak: the autograd combine's backward holds
+    less, so the solve keeps it, at the autograd graph's own cost and below moe_cpsat's."""
+    shape = worker.SHAPES[0]
+    budget = int(0.95 * _plan(shape, None, "moe_custom").peak_bytes)
+    plan = _compile_and_check(shape, budget).plan
+    assert _modes(plan) == {"inner.layers.0": "autograd"}
+    autograd = _plan(shape, budget, remat_compiler.solvers.solve_cpsat)
+    assert plan.recompute_s == pytest.approx(autograd.recompute_s, rel=1e-9)
+    assert plan.recompute_s < _plan(shape, budget, "moe_cpsat").recompute_s
+
+
+def test_loose_budget_choice_is_exact_explained_and_reapplied(tmp_path):
+    """No budget: the choice is still exact and recorded; explain() names each segment's combine and
+    why; the saved plan, applied to a fresh model, traces the same combines and is exact again."""
+    x = worker.make_tokens(SHAPE)
+    module = _compile_and_check(SHAPE, None)
+    plan = module.plan
+    assert set(_modes(plan)) == set(SEGMENTS)
+    text = plan.explain()
+    for seg, mode in _modes(plan).items():
+        line = next(ln for ln in text.splitlines() if f"{seg}: {mode}:" in ln)
+        other = "autograd" if mode == "fused" else "fused"
+        assert "chosen in the one CP-SAT solve with the saved set" in line
+        assert f"with the {other} combine here and the same saved set" in line
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.extras["moe_combine"] == plan.extras["moe_combine"]
+    model = worker.make_model(SHAPE)
+    again = remat_compiler.compile(model, plan=loaded)
+    assert_same(run_step(again, x), run_step(worker.make_model(SHAPE), x), "reapplied")
+    assert again.planned.source == "given" and again.plan.fingerprint == plan.fingerprint
+    assert combine_modes_of(model) == {s: "autograd" for s in SEGMENTS}
+    assert_exact(again, x, "reapplied")
+
+
+def test_other_solvers_and_a_fused_model_plan_as_before(x):
+    """The choice is the default solver's on models left at combine='autograd': moe_cpsat plans
+    the fused combine everywhere, and a model whose user chose the fused combine keeps it."""
+    assert set(_modes(_plan(SHAPE, None, "moe_cpsat")).values()) == {"fused"}
+    model = worker.make_model(SHAPE)
+    with fused_combine_mode(model):
+        plan = remat_compiler.plan_model(model, (x,), time_limit_s=5).plan
+    assert set(_modes(plan).values()) == {"fused"}
+    assert "chosen in the one CP-SAT solve" not in plan.explain()
+
+
+def test_a_budget_no_choice_meets_falls_back_to_the_model_as_it_is(x):
+    """Below every plan's peak the one solve finds nothing, and the model is planned as it is
+    (combine='autograd'), whose lowest-peak search names the smallest feasible budget."""
+    with pytest.raises(remat_compiler.InfeasibleBudgetError, match="smallest feasible budget"):
+        remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=10_000, time_limit_s=3)
+
+
+@pytest.mark.parametrize("budget", [None, 300_000, 250_000])
+def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
+    """The union model's peak is the simulated peak of the saved set on the graph traced with the
+    chosen combines: exact, not a bound (the union runs both pieces of each segment)."""
+    assert len(union_steps(union)) == sum(len(union.graphs[m].bw_order) for m in ("autograd", "fused")) \
+        - len(union.shared)
+    choice = solve_choice(union, budget, time_limit_s=10)
+    assert choice.status == "optimal"
+    model = worker.make_model(SHAPE)
+    with combine_modes(model, choice.modes):
+        _, cg = analyze(model, (x,))
+    assert peak_of(cg, choice.saved) == choice.model_peak_bytes
+    assert budget is None or choice.model_peak_bytes <= budget
+
+
+def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
+    """With plan_cache=, the chosen plan is stored once and a fresh model's compile applies it: the
+    same combines and saved set, exact again."""
+    first = remat_compiler.compile(worker.make_model(SHAPE), 300_000, time_limit_s=10, plan_cache=tmp_path)
+    run_step(first, x)
+    files = list(tmp_path.glob("*.plan.json"))
+    assert len(files) == 1
+    again = remat_compiler.compile(worker.make_model(SHAPE), 300_000, time_limit_s=10, plan_cache=tmp_path)
+    assert_same(run_step(again, x), run_step(worker.make_model(SHAPE), x), "cached")
+    assert again.plan.digest() == first.plan.digest() and list(tmp_path.glob("*.plan.json")) == files
+    assert "chosen in the one CP-SAT solve" in again.plan.explain()
+    assert_exact(again, x, "cached")
