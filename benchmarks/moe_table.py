@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/moe_table.py                       # 4 layers of E=4, top-2, H=256, F=512, 1024 tokens
-    python benchmarks/moe_table.py --layers 1 --time-limit 20
+    python -m benchmarks.moe_table                       # 4 layers of E=4, top-2, H=256, F=512, 1024 tokens
+    python -m benchmarks.moe_table --layers 1 --time-limit 20
 
 Peaks and step times are measured on one process (float32, CPU): the step is compiled with each
 strategy, run once to trace, then timed (best of ``--repeats``) and measured with
@@ -22,6 +22,8 @@ import torch.distributed as dist
 import remat_compiler
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
+
+from benchmarks.strategies import moe_y_bytes
 
 MIB = 2 ** 20
 
@@ -110,6 +112,11 @@ def main() -> None:
     run("cpsat @ origin's peak", "cpsat", low)
     run("cpsat @ (origin+fast)/2", "cpsat", (low + high) // 2)
     run("moe_cpsat @ (origin+fast)/2", "moe_cpsat", (low + high) // 2)
+    # issue 16: at moe_fast's measured peak less every layer's y, the default cpsat chooses each
+    # segment's combine in its one solve (compile's path), beside moe_cpsat (fused everywhere)
+    y_bytes = moe_y_bytes(build(args), (x,))
+    run("cpsat @ fast - y (chooses combines)", "cpsat", high - y_bytes)
+    run("moe_cpsat @ fast - y", "moe_cpsat", high - y_bytes)
     seconds = best_step_times({k: m for k, (_, _, m) in modules.items()}, x, g, args.repeats)
 
     comm = comm_bytes_on_two_ranks(args, [(k, solver, budget) for k, (solver, budget, _) in modules.items()])
@@ -123,6 +130,12 @@ def main() -> None:
         print(f"| {label} | {'-' if budget is None else f'{budget / MIB:.2f}'} | {peaks[label] / MIB:.2f} | "
               f"{plan.peak_bytes / MIB:.2f} | {plan.recompute_flops / 1e9:.3f} | {comm[label]:,} | "
               f"{seconds[label] * 1e3:.1f} | {seconds[label] / seconds['save_all']:.2f} |")
+    print(f"\ny, all layers: {y_bytes / MIB:.2f} MiB. FLOP ratio (step FLOPs with recompute over without) "
+          "and the combine each plan runs per segment:")
+    for label, (_solver, _budget, module) in modules.items():
+        plan = module.plan
+        combines = ", ".join(f"{seg} {c['mode']}" for seg, c in sorted((plan.extras.get("moe_combine") or {}).items()))
+        print(f"- {label}: FLOP ratio {1 + plan.flop_overhead:.4f}; {combines}")
 
 
 if __name__ == "__main__":
