@@ -36,7 +36,7 @@ from benchmarks.workloads import WORKLOADS
 #: Every workload name: the measured ones, then ``scale`` (GPT-2 at 12 and 48 layers, planned only).
 NAMES = (*WORKLOADS, "scale")
 #: Markdown sections other commands measure, appended to RESULTS.md in this order (those that exist)
-APPENDIX_FILES = ("inductor.md", "real_sizes.md", "gpu_check.md")
+APPENDIX_FILES = ("moe_table.md", "inductor.md", "real_sizes.md", "gpu_check.md")
 
 __all__ = ["main", "run_workload", "run_spawned", "load_results"]
 
