@@ -68,9 +68,9 @@ def test_deterministic_plan_is_the_same_in_a_fresh_process_and_after_other_solve
     assert first["cost"] > 0  # the budget makes it recompute: there is a choice to make
     # other solves on the same graph in this process: budgets, the lowest-peak search, with a memo
     memo = SolveMemo()
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=2, memo=memo)
+    smallest, *_ = min_feasible_peak(cg, time_limit_s=1, memo=memo)
     for budget in (smallest, checkpoint_budget(cg)):
-        rc.solve(cg, budget, "cpsat", time_limit_s=2, memo=memo)
+        rc.solve(cg, budget, "cpsat", time_limit_s=1, memo=memo)
     assert memo.plans[cg.fingerprint]  # the memo did keep what those solves found
     assert deterministic_plan(cg) == first
     code = ("import json; from tests.test_determinism import stack_graph, deterministic_plan; "
