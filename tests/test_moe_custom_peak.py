@@ -1,7 +1,7 @@
 """moe_custom's step peak against moe_fast's (issue: the fused backward must hold no more than fast's).
 
 Shapes: F > H and F < H, top-2 and top-1, one and two layers (``moe_peak_worker.SHAPES``), on one
-process and on 2 gloo ranks. Per shape and rank: gradients equal eager's, the predicted peak is the
+process, and three of them (``RANK_SHAPES``: both sides of F vs H and of top-k) on 2 gloo ranks. Per shape and rank: gradients equal eager's, the predicted peak is the
 measured one, custom saves exactly ``y`` less than fast, and custom's measured peak is at most fast's
 minus the ``y`` bytes fast holds at its peak (live in its simulation there: a layer's ``y`` is freed
 in that layer's unpermute backward, so this is 0 when fast peaks in the backward of its last layer to
@@ -44,5 +44,7 @@ def test_custom_peak_one_rank(shape):
 def test_custom_peak_two_ranks(tmp_path):
     dist_spawn.spawn_ranks(worker.run_rank, 2, tmp_path, timeout_s=240)
     for r in range(2):
-        for shape, res in zip(worker.SHAPES, torch.load(tmp_path / f"rank{r}.pt")):
+        results = torch.load(tmp_path / f"rank{r}.pt")
+        assert len(results) == len(worker.RANK_SHAPES)
+        for shape, res in zip(worker.RANK_SHAPES, results):
             check_shape(res, shape, f"rank {r}")
