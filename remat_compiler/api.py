@@ -264,13 +264,13 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         fields = {**key_fields(graphs["autograd"], budget_bytes, spec.cost_model or CostModel(), spec.strategy,
                                spec.options), "moe_combine": "chosen in the solve"}
         key = key_of(fields)
-        modes = spec.plan_cache.recorded_combines(key)
-        cg = graphs["autograd"]
-        if modes is not None and set(modes) == set(union.pieces) and set(modes.values()) <= set(COMBINE_MODES):
+        modes = spec.plan_cache.recorded_combines(key, union.pieces)  # None: absent, or reported bad
+        cached = None
+        if modes is not None:
             with combine_modes(model, modes):
                 traced = trace_once()
             cg = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
-        cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: absent, or reported and re-planned
+            cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: reported and re-planned
         if cached is not None:
             return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731

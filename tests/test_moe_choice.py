@@ -329,3 +329,47 @@ def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
     assert again.plan.digest() == first.plan.digest() and list(tmp_path.glob("*.plan.json")) == files
     assert "chosen in the one CP-SAT solve" in again.plan.explain()
     assert_exact(again, x, "cached")
+
+
+def _tamper(path, mode, *, fix_digest: bool) -> None:
+    """Set the first segment's recorded combine mode in a cache file to ``mode``; with
+    ``fix_digest`` the plan's digest is recomputed, so only the mode itself is wrong."""
+    import json
+
+    from remat_compiler.plan import _document_digest
+
+    doc = json.loads(path.read_text())
+    plan = json.loads(doc["plan"])
+    plan["extras"]["moe_combine"][next(iter(plan["extras"]["moe_combine"]))]["mode"] = mode
+    if fix_digest:
+        plan.pop("digest")
+        version = plan.pop("schema_version")
+        plan = {**plan, "schema_version": version, "digest": _document_digest(plan)}
+    doc["plan"] = json.dumps(plan)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.fixture(scope="module")
+def cached_choice(x, tmp_path_factory):
+    """A plan cache holding the chosen plan of SHAPE with no budget: (the plan, its file's text)."""
+    d = tmp_path_factory.mktemp("cache")
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), None, time_limit_s=5, plan_cache=d).plan
+    (path,) = d.glob("*.plan.json")
+    return plan, path.name, path.read_text()
+
+
+@pytest.mark.parametrize("mode, fix_digest", [(["fused"], False), ("custom", True)])
+def test_a_corrupt_recorded_combine_is_reported_and_replanned(x, tmp_path, cached_choice, mode, fix_digest):
+    """A cache file whose recorded combine is not a mode (a list, an unknown name), with or without
+    a digest that matches, is reported with a PlanCacheWarning and re-planned; the new plan replaces
+    it. (A list crashed the compile with TypeError.)"""
+    from remat_compiler.plan_cache import PlanCache, PlanCacheWarning
+
+    first, name, text = cached_choice
+    path = tmp_path / name
+    path.write_text(text)
+    _tamper(path, mode, fix_digest=fix_digest)
+    with pytest.warns(PlanCacheWarning, match="not a valid plan for this step"):
+        again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), None, time_limit_s=5, plan_cache=tmp_path)
+    assert again.source == "solved" and _modes(again.plan) == _modes(first)
+    assert PlanCache(tmp_path).recorded_combines(name.split(".")[0], SEGMENTS) == _modes(again.plan)
