@@ -18,7 +18,7 @@ from remat_compiler.moe.layer import combine_modes, combine_modes_of, fused_comb
 from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.schedule import peak_of
 from remat_compiler.solvers.combine_choice import align_combines
-from remat_compiler.solvers.cpsat.choice import solve_choice, union_steps
+from remat_compiler.solvers.cpsat.choice import build_choice_model, solve_choice, union_steps
 
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64
 SHAPE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2)
@@ -317,6 +317,30 @@ def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
     assert budget is None or choice.model_peak_bytes <= budget
 
 
+def test_costs_that_would_overflow_a_lexicographic_objective_still_choose(x, monkeypatch):
+    """At real sizes ``cost * (peak_hi + 1) + peak`` overflows int64 (MODEL_INVALID, which was taken
+    for an infeasible budget and the choice silently dropped): here a device 1e10 times slower than
+    the default gives the small stack such costs. The model validates and the two-stage solve
+    chooses, at the least peak of the least cost."""
+    from passes import CostModel
+
+    slow = CostModel(compute_flops_per_s=10.0, memory_bytes_per_s=2.0)
+    model = worker.make_model(SHAPE)
+    big = align_combines(analyze(model, (x,), cost_model=slow)[1],
+                         analyze(model, (x,), solver="moe_cpsat", cost_model=slow)[1])
+    assert build_choice_model(big, None).model.validate() == ""
+    choice = solve_choice(big, 300_000, time_limit_s=10)
+    assert choice.status == "optimal" and choice.gap == 0.0 and set(choice.modes) == set(SEGMENTS)
+    assert choice.model_peak_bytes <= 300_000
+    from ortools.sat.python import cp_model
+
+    import remat_compiler.solvers.cpsat.choice as choice_module
+
+    monkeypatch.setattr(choice_module, "run_solver", lambda *a, **k: cp_model.MODEL_INVALID)
+    with pytest.raises(RuntimeError, match="combine-choice CP-SAT model is invalid"):  # never "infeasible"
+        solve_choice(big, 300_000, time_limit_s=1)
+
+
 def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
     """With plan_cache=, the chosen plan is stored once and a fresh model's compile applies it: the
     same combines and saved set, exact again."""
@@ -353,7 +377,7 @@ def _tamper(path, mode, *, fix_digest: bool) -> None:
 def cached_choice(x, tmp_path_factory):
     """A plan cache holding the chosen plan of SHAPE with no budget: (the plan, its file's text)."""
     d = tmp_path_factory.mktemp("cache")
-    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), None, time_limit_s=5, plan_cache=d).plan
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=d).plan
     (path,) = d.glob("*.plan.json")
     return plan, path.name, path.read_text()
 
@@ -370,6 +394,6 @@ def test_a_corrupt_recorded_combine_is_reported_and_replanned(x, tmp_path, cache
     path.write_text(text)
     _tamper(path, mode, fix_digest=fix_digest)
     with pytest.warns(PlanCacheWarning, match="not a valid plan for this step"):
-        again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), None, time_limit_s=5, plan_cache=tmp_path)
+        again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=tmp_path)
     assert again.source == "solved" and _modes(again.plan) == _modes(first)
     assert PlanCache(tmp_path).recorded_combines(name.split(".")[0], SEGMENTS) == _modes(again.plan)

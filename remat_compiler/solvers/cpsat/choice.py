@@ -20,9 +20,9 @@ node too, so the cumulative's peak is the simulated peak of the graph traced wit
 combines (``check_plan`` holds the plan to it). One case is bounded rather than exact: a value
 outside the pieces that the pieces of two segments read is live to the later of its ends in every
 choice (an MoELayer stack has none: each segment's pieces read only its own output gradient). The
-objective is the recompute cost, then the peak, in one
-lexicographic objective of one solve. Reruns, warm starts and the block decomposition of
-:func:`~remat_compiler.solvers.cpsat.solve_cpsat` are not used here.
+objective is the recompute cost, then the peak, in two stages of one clock (:func:`solve_choice`).
+Reruns and the block decomposition of :func:`~remat_compiler.solvers.cpsat.solve_cpsat` are
+not used here.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from functools import reduce
 from ortools.sat.python import cp_model
 
 from remat_compiler.budget import human_bytes
+from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.schedule import bw_time, no_recompute, recomputed_outputs
 from remat_compiler.solvers.combine_choice import CombineUnion
@@ -59,8 +60,10 @@ class Choice:
     cost : int
         The recompute cost, in :func:`~remat_compiler.solvers.cpsat.costs.cost_units`.
     status : str
-        ``"optimal"`` or ``"feasible"``.
+        ``"optimal"`` or ``"feasible"`` (of the recompute cost).
     solve_time_s : float
+    gap : float
+        The proven relative gap of the cost (0 when optimal).
     """
 
     modes: dict[str, str]
@@ -69,6 +72,7 @@ class Choice:
     cost: int
     status: str
     solve_time_s: float
+    gap: float = 0.0
 
 
 @dataclass
@@ -297,7 +301,7 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     m.add_cumulative(intervals, demands, peak)
     costs = {v: cost_units(cg, v, objective) for v in M}
     cost = sum(costs[v] * r[v] for v in M if costs[v] > 0)
-    m.minimize(cost * (max(peak_hi, 0) + 1) + peak)  # the least cost, then the least peak at it
+    m.minimize(cost)  # the least cost; solve_choice then the least peak at it, in a second stage
     return ChoiceModel(m, fused, s, peak, cost, unit)
 
 
@@ -344,20 +348,28 @@ def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int,
 
 
 def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
-                 num_workers: int | None = None, objective: str = "runtime") -> Choice:
-    """Choose every segment's combine and the saved set in one CP-SAT solve.
+                 num_workers: int | None = None, objective: str = "runtime",
+                 deadline: Deadline | None = None) -> Choice:
+    """Choose every segment's combine and the saved set in one CP-SAT model, solved in two stages
+    on one clock: the least recompute cost, then (``cost <= best``, hinted with the first stage's
+    solution) the least peak at it. (One lexicographic objective ``cost * (peak_hi + 1) + peak``
+    overflows int64 at real sizes.)
 
     Parameters
     ----------
     union : CombineUnion
     budget_bytes : int | None
     time_limit_s : float
+        Both stages together (ignored with ``deadline``).
     num_workers : int, optional
     objective : "runtime" | "flops"
+    deadline : Deadline, optional
+        The clock to take the stages' time from (default: a new one of ``time_limit_s``).
 
     Returns
     -------
     Choice
+        Its status and gap are the cost stage's (the peak only breaks ties).
 
     Raises
     ------
@@ -366,19 +378,44 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
         found in time). Its smallest feasible budget is not searched (it names the budget itself,
         unproven): :func:`remat_compiler.api.choose_combines` then plans the model as it is, with
         :func:`~remat_compiler.solvers.cpsat.solve_cpsat`'s reruns and lowest-peak search.
+    RuntimeError
+        If CP-SAT calls the model invalid (a bug here, never a budget that does not fit).
     """
     t0 = time.perf_counter()
+    deadline = deadline if deadline is not None else Deadline(time_limit_s)
     cm = build_choice_model(union, budget_bytes, objective=objective)
-    solver = make_solver(time_limit_s, num_workers, deterministic=False)
-    status = run_solver(solver, cm.model)
+    solver = make_solver(deadline.slice(0.8), num_workers, deterministic=False)
+    status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
                                     advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the smallest")
-    modes = {seg: "fused" if solver.boolean_value(b) else "autograd" for seg, b in cm.fused.items()}
-    saved = [v for v, var in cm.saved.items() if solver.value(var)]
-    return Choice(modes, saved, solver.value(cm.peak) * cm.unit_bytes, int(solver.value(cm.cost)),
-                  "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0)
+    best, bound = int(solver.value(cm.cost)), solver.best_objective_bound
+    gap = 0.0 if status == cp_model.OPTIMAL or best == 0 else max(0.0, best - bound) / best
+    found = solver
+    if not isinstance(cm.cost, int):  # some value costs something: the least peak at the least cost
+        cm.model.add(cm.cost <= best)
+        cm.model.clear_hints()
+        for i, value in enumerate(solver.response_proto.solution):
+            cm.model.proto.solution_hint.vars.append(i)
+            cm.model.proto.solution_hint.values.append(value)
+        cm.model.minimize(cm.peak)
+        second = make_solver(deadline.slice(), num_workers, deterministic=False)
+        if _checked(run_solver(second, cm.model, deadline=deadline), cm.model) in (cp_model.OPTIMAL,
+                                                                                      cp_model.FEASIBLE):
+            found = second
+    modes = {seg: "fused" if found.boolean_value(b) else "autograd" for seg, b in cm.fused.items()}
+    saved = [v for v, var in cm.saved.items() if found.value(var)]
+    return Choice(modes, saved, found.value(cm.peak) * cm.unit_bytes, int(found.value(cm.cost)),
+                  "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0, gap)
 
+
+def _checked(status: int, model: cp_model.CpModel) -> int:
+    """``status``, unless CP-SAT found the model invalid: then RuntimeError naming why (never
+    treated as a budget that does not fit)."""
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"the combine-choice CP-SAT model is invalid: {model.validate() or 'MODEL_INVALID'}; "
+                           "plan with solver='moe_cpsat' (the fused combine everywhere) meanwhile")
+    return status
 
 
 def reasons(choice: Choice, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
