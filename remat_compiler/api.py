@@ -41,7 +41,7 @@ from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, 
 from remat_compiler.schedule import SimResult, peak_of
 from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
 from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
-from remat_compiler.solvers.cpsat.choice import reasons, solve_choice
+from remat_compiler.solvers.cpsat.choice import solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
                                   flatten_step, is_inplace_after_save, run_traced, signature_of, trace,
@@ -283,9 +283,9 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         with combine_modes(model, {**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}):
             traced = trace_once()
         flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
-    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, solve_time_s=choice.solve_time_s,
-                               model_peak_bytes=choice.model_peak_bytes, why=reasons(choice, flipped),
-                               on_plan=store)
+    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, gap=choice.gap,
+                               solve_time_s=choice.solve_time_s, model_peak_bytes=choice.model_peak_bytes,
+                               flipped_peak_bytes=flipped, on_plan=store)
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 

@@ -341,6 +341,27 @@ def test_costs_that_would_overflow_a_lexicographic_objective_still_choose(x, mon
         solve_choice(big, 300_000, time_limit_s=1)
 
 
+def test_a_feasible_choice_reports_its_gap_and_the_simulated_peak(x, monkeypatch):
+    """A solve stopped before it proved its peak: its peak variable is only a bound. The plan keeps
+    the solve's status and gap (it reported gap 0.0), and explain() compares the simulated peak of
+    the chosen graph, not the bound, with the other combine's."""
+    import dataclasses
+
+    import remat_compiler.api as api
+    from remat_compiler.budget import human_bytes
+
+    def loose(*args, **kwargs):
+        choice = solve_choice(*args, **kwargs)
+        return dataclasses.replace(choice, model_peak_bytes=choice.model_peak_bytes + 50_000,
+                                   status="feasible", gap=0.25)
+    monkeypatch.setattr(api, "solve_choice", loose)
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=300_000, time_limit_s=5).plan
+    assert plan.status == "feasible" and plan.gap == 0.25
+    assert plan.model_peak_bytes == plan.peak_bytes + 50_000
+    for c in plan.extras["moe_combine"].values():
+        assert f"step peak {human_bytes(plan.peak_bytes)}, against" in c["why"], c["why"]
+
+
 def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
     """With plan_cache=, the chosen plan is stored once and a fresh model's compile applies it: the
     same combines and saved set, exact again."""

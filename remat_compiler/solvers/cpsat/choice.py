@@ -17,7 +17,8 @@ autograd piece does:
 
 The absent piece's steps then run nothing: what is live across them is live at the next present
 node too, so the cumulative's peak is the simulated peak of the graph traced with the chosen
-combines (``check_plan`` holds the plan to it). One case is bounded rather than exact: a value
+combines; the peak variable bounds it, tightly once the peak stage is optimal (``check_plan``
+holds the plan to it). One case is bounded rather than exact: a value
 outside the pieces that the pieces of two segments read is live to the later of its ends in every
 choice (an MoELayer stack has none: each segment's pieces read only its own output gradient). The
 objective is the recompute cost, then the peak, in two stages of one clock (:func:`solve_choice`).
@@ -56,7 +57,9 @@ class Choice:
     saved : list of str
         The forward values saved (names are the same in every mode's graph).
     model_peak_bytes : int
-        The model's peak (the simulated peak of the graph traced with ``modes``).
+        The model's peak variable: a bound of the simulated peak of the saved set on the graph
+        traced with ``modes``, equal to it when the peak stage is proven optimal (a plan reports
+        the simulated one, :attr:`~remat_compiler.plan.Plan.peak_bytes`).
     cost : int
         The recompute cost, in :func:`~remat_compiler.solvers.cpsat.costs.cost_units`.
     status : str
@@ -418,20 +421,24 @@ def _checked(status: int, model: cp_model.CpModel) -> int:
     return status
 
 
-def reasons(choice: Choice, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
+def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
     """Why each segment got its combine, for ``plan.explain()``.
 
     Parameters
     ----------
-    choice : Choice
+    modes : dict of str to str
+        Each segment's chosen combine (:attr:`Choice.modes`).
+    peak_bytes : int
+        The simulated step peak of the saved set on the graph traced with ``modes`` (not the
+        model's peak variable, which is only a bound unless the solve proved it).
     flipped_peak_bytes : dict of str to int
         Per segment, the simulated step peak of the same saved set with that segment's combine
         switched to the other one (what it needs then is recomputed; a comparison, not a solve).
     """
     found = {}
-    for seg, mode in choice.modes.items():
+    for seg, mode in modes.items():
         other = "autograd" if mode == "fused" else "fused"
         found[seg] = (f"chosen in the one CP-SAT solve with the saved set: step peak "
-                      f"{human_bytes(choice.model_peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
+                      f"{human_bytes(peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
                       f"with the {other} combine here and the same saved set")
     return found
