@@ -38,7 +38,7 @@ from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
-from remat_compiler.schedule import SimResult, peak_of
+from remat_compiler.schedule import SimResult, no_recompute, peak_of
 from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
 from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
 from remat_compiler.solvers.cpsat.choice import solve_choice
@@ -175,10 +175,18 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
     """The plan for ``cg`` and where it came from: the given one (``"given"``, if it is for this
     graph and fits the budget), a cached one (``"cache"``: ``spec.plan_cache``, verified), else the
     strategy's (``"solved"``), made on rank 0 alone under torch.distributed (``"rank 0"`` on the
-    other ranks)."""
+    other ranks).
+
+    A fraction budget is of ``cg``'s no-recompute peak, except for a given plan whose combines were
+    chosen in its solve: of the peak it records (``extras["fraction_base_bytes"]``, the model's as it
+    is, which the choice resolved the fraction on), so the same fraction accepts it again."""
     if spec.plan is not None:
         spec.plan.check_applies_to(cg)
-        budget_bytes = resolve_budget(cg, spec.budget)
+        base = spec.plan.extras.get("fraction_base_bytes")  # a chosen plan's: the graph as the model is
+        if spec.budget.fraction is not None and type(base) is int and base > 0:
+            budget_bytes = spec.budget.resolve(base)
+        else:
+            budget_bytes = resolve_budget(cg, spec.budget)
         if budget_bytes is not None and spec.plan.peak_bytes > budget_bytes:
             raise PlanMismatchError(
                 f"the plan given peaks at {spec.plan.peak_bytes} bytes, above memory_budget "
@@ -285,7 +293,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
     strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, gap=choice.gap,
                                solve_time_s=choice.solve_time_s, model_peak_bytes=choice.model_peak_bytes,
-                               flipped_peak_bytes=flipped, on_plan=store)
+                               flipped_peak_bytes=flipped, on_plan=store,
+                               fraction_base_bytes=no_recompute(graphs["autograd"]).peak_bytes)
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 

@@ -284,6 +284,19 @@ def test_loose_budget_choice_is_exact_explained_and_reapplied(tmp_path):
     assert_exact(again, x, "reapplied")
 
 
+def test_a_chosen_plan_applies_again_under_the_same_fraction(x, tmp_path):
+    """A fraction budget is of the model's no-recompute peak (every combine autograd) both when the
+    combines are chosen and when the saved plan is applied: the round trip at 0.85 keeps the choice
+    (it was refused, the fraction resolved on the chosen graph's smaller peak)."""
+    first = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=0.85, time_limit_s=5).plan
+    assert "fused" in _modes(first).values()  # a fused segment lowers the chosen graph's own peak
+    first.save(tmp_path / "plan.json")
+    again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=0.85,
+                                      plan=Plan.load(tmp_path / "plan.json"))
+    assert again.source == "given" and again.plan.digest() == first.digest()
+    assert again.plan.budget_bytes == first.budget_bytes
+
+
 def test_other_solvers_and_a_fused_model_plan_as_before(x):
     """The choice is the default solver's on models left at combine='autograd': moe_cpsat plans
     the fused combine everywhere, and a model whose user chose the fused combine keeps it."""

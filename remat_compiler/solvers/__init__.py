@@ -136,6 +136,7 @@ def solve(cg: CostGraph, budget, solver: str | Callable[..., Plan] | Strategy = 
 
 def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: float,
                     model_peak_bytes: int, flipped_peak_bytes: dict[str, int], gap: float = 0.0,
+                    fraction_base_bytes: int | None = None,
                     on_plan: Callable[[Plan], None] | None = None) -> Strategy:
     """The ``cpsat`` strategy that applies a choice already made by one solve over both MoE combines
     (:func:`remat_compiler.solvers.cpsat.choice.solve_choice`): it traces every MoELayer segment with
@@ -154,6 +155,11 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
         Per segment, the simulated peak of the saved set with that segment's combine switched:
         ``plan.explain()`` says why each combine was chosen against it and the plan's simulated peak
         (:func:`~remat_compiler.solvers.cpsat.choice.reasons`).
+    fraction_base_bytes : int, optional
+        What a fraction budget was a fraction of: the no-recompute peak of the graph as the model
+        is (every combine autograd), not of the chosen graph. The plan records it
+        (``extras["fraction_base_bytes"]``) so that applying it under the same fraction resolves
+        the same budget (:func:`remat_compiler.api.decide`).
     on_plan : callable, optional
         Called with the plan once it is made (a plan cache stores it).
 
@@ -176,7 +182,8 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
             c["why"] = why[seg]
         plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status, gap=gap,
                          solve_time_s=solve_time_s, model_peak_bytes=model_peak_bytes,
-                         extras={"moe_combine": combine})
+                         extras={"moe_combine": combine, **({} if fraction_base_bytes is None else
+                                                            {"fraction_base_bytes": fraction_base_bytes})})
         if on_plan is not None:
             on_plan(plan)
         return plan
