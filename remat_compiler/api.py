@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
+from remat_compiler.clock import Deadline
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
@@ -250,7 +251,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     there.
 
     When the one solve finds no plan under the budget (it does not rerun values), the spec is
-    returned unchanged: the model is planned as it is (``combine="autograd"``) by
+    returned with only the solve's clock added (``deadline``: the choice and the fallback share one
+    ``time_limit_s``): the model is planned as it is (``combine="autograd"``) by
     :func:`~remat_compiler.solvers.cpsat.solve_cpsat`, whose reruns may go lower and whose
     lowest-peak search names the smallest feasible budget.
 
@@ -282,10 +284,11 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         if cached is not None:
             return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
+    deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
     try:
-        choice = solve_choice(union, budget_bytes, **spec.options)
-    except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, as before
-        return spec
+        choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
+    except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
+        return dataclasses.replace(spec, options={**spec.options, "deadline": deadline})
     flipped = {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
         with combine_modes(model, {**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}):

@@ -12,8 +12,8 @@ again. With ``compile(..., plan_cache=DIR)`` (or ``plan_model(..., plan_cache=DI
 The key (:func:`cache_key`) covers everything that changes the plan: the graph fingerprint (the
 graph, shapes, dtypes, whether outputs are held), the budget in bytes, the cost model's rates (the
 device model the runtime estimate and so the objective come from), the solver's name and the options
-it takes that change its answer (not ``progress`` or ``memo``, which do not change the plan's
-meaning), the forced and forbidden saves a policy resolved to, and this module's and the plan's
+it takes that change its answer (not ``progress``, ``memo`` or ``deadline``, which do not change the
+plan's meaning), the forced and forbidden saves a policy resolved to, and this module's and the plan's
 schema versions.
 
 A file is never trusted: it must parse, carry this cache's schema version and its own key, hold a
@@ -45,7 +45,7 @@ __all__ = ["PlanCache", "PlanCacheWarning", "cache_key", "key_fields", "key_of",
 CACHE_SCHEMA_VERSION = 1
 
 #: Solver options that do not change the plan: left out of the key.
-UNKEYED_OPTIONS = frozenset({"progress", "memo"})
+UNKEYED_OPTIONS = frozenset({"progress", "memo", "deadline"})
 
 
 class PlanCacheWarning(UserWarning):

@@ -315,6 +315,26 @@ def test_a_budget_no_choice_meets_falls_back_to_the_model_as_it_is(x):
         remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=10_000, time_limit_s=3)
 
 
+def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
+    """The union solve and the fallback to the model as it is share one time_limit_s: the fallback's
+    solve_cpsat runs on the clock the choice started (its solve time counts the choice's), instead
+    of a fresh time_limit_s after it."""
+    import time
+
+    import remat_compiler.api as api
+
+    clocks = []
+
+    def finds_none(union, budget_bytes, **options):
+        clocks.append(options["deadline"])
+        time.sleep(1.0)  # the choice's search, spent
+        raise remat_compiler.InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False)
+    monkeypatch.setattr(api, "solve_choice", finds_none)
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5).plan
+    assert len(clocks) == 1 and "why" not in str(plan.extras)  # the model as it is, by solve_cpsat
+    assert plan.solve_time_s >= 1.0 and clocks[0].elapsed() >= plan.solve_time_s
+
+
 @pytest.mark.parametrize("budget", [None, 300_000, 250_000])
 def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
     """The union model's peak is the simulated peak of the saved set on the graph traced with the
