@@ -34,7 +34,7 @@ from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
 from remat_compiler.moe.layer import MoELayer, combine_modes
-from remat_compiler.plan import Plan
+from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
@@ -247,8 +247,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     spec that traces the chosen combines and applies that choice (:func:`chosen_combines`).
 
     With a plan cache, the plan is looked up under the key of the graph as the model is (marked as a
-    choice) and verified on the graph traced with the combines it records; a solved plan is stored
-    there.
+    choice) and verified on the graph traced with the combines it records (a hit traces neither the
+    fused combine nor builds the union); a solved plan is stored there.
 
     When the one solve finds no plan under the budget (it does not rerun values), the spec is
     returned with only the solve's clock added (``deadline``: the choice and the fallback share one
@@ -261,12 +261,12 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     ValueError
         If the two combines' graphs do not align (:func:`align_combines`).
     """
-    graphs = {}
-    for mode in COMBINE_MODES:
-        with combine_modes(model, mode):
+    def traced_with(modes) -> CostGraph:
+        with combine_modes(model, modes):
             traced = trace_once()
-        graphs[mode] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
-    union = align_combines(graphs["autograd"], graphs["fused"])
+        return annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+
+    graphs = {"autograd": traced_with("autograd")}
     budget_bytes = resolve_budget(graphs["autograd"], spec.budget)
     budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
     store = None
@@ -274,16 +274,17 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         fields = {**key_fields(graphs["autograd"], budget_bytes, spec.cost_model or CostModel(), spec.strategy,
                                spec.options), "moe_combine": "chosen in the solve"}
         key = key_of(fields)
-        modes = spec.plan_cache.recorded_combines(key, union.pieces)  # None: absent, or reported bad
+        segments = moe_combine_of(graphs["autograd"])
+        modes = spec.plan_cache.recorded_combines(key, segments)  # None: absent, or reported bad
         cached = None
-        if modes is not None:
-            with combine_modes(model, modes):
-                traced = trace_once()
-            cg = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+        if modes is not None:  # a hit needs neither the fused trace nor the union
+            cg = graphs["autograd"] if set(modes.values()) == {"autograd"} else traced_with(modes)
             cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: reported and re-planned
         if cached is not None:
             return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
+    graphs["fused"] = traced_with("fused")
+    union = align_combines(graphs["autograd"], graphs["fused"])
     deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
     try:
         choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
@@ -291,9 +292,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         return dataclasses.replace(spec, options={**spec.options, "deadline": deadline})
     flipped = {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
-        with combine_modes(model, {**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}):
-            traced = trace_once()
-        flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
+        flipped[seg] = peak_of(traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}),
+                               choice.saved)
     strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, gap=choice.gap,
                                solve_time_s=choice.solve_time_s, model_peak_bytes=choice.model_peak_bytes,
                                flipped_peak_bytes=flipped, on_plan=store,

@@ -17,6 +17,7 @@ from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe.layer import combine_modes, combine_modes_of, fused_combine_mode
 from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.schedule import peak_of
+from remat_compiler.trace import trace
 from remat_compiler.solvers.combine_choice import align_combines
 from remat_compiler.solvers.cpsat.choice import build_choice_model, solve_choice, union_steps
 
@@ -407,6 +408,20 @@ def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
     assert again.plan.digest() == first.plan.digest() and list(tmp_path.glob("*.plan.json")) == files
     assert "chosen in the one CP-SAT solve" in again.plan.explain()
     assert_exact(again, x, "cached")
+
+
+def test_a_cache_hit_traces_only_the_model_and_the_recorded_combines(x, tmp_path, cached_choice, monkeypatch):
+    """A hit needs the graph as the model is (the key) and the graph of the recorded combines (to
+    verify the plan on), then the pipeline's own trace: not the all-fused graph nor the union."""
+    import remat_compiler.api as api
+
+    first, name, text = cached_choice
+    (tmp_path / name).write_text(text)
+    traced = []
+    monkeypatch.setattr(api, "trace", lambda *a, **k: traced.append(1) or trace(*a, **k))
+    again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=tmp_path)
+    assert again.plan.digest() == first.digest()
+    assert len(traced) == (2 if set(_modes(first).values()) == {"autograd"} else 3)
 
 
 def _tamper(path, mode, *, fix_digest: bool) -> None:
