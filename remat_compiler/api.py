@@ -27,21 +27,22 @@ import torch.fx as fx
 
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
+from remat_compiler.clock import Deadline
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
 from remat_compiler.moe.layer import MoELayer, combine_modes
-from remat_compiler.plan import Plan
+from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
-from remat_compiler.schedule import SimResult, peak_of
+from remat_compiler.schedule import SimResult, no_recompute, peak_of
 from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
 from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
-from remat_compiler.solvers.cpsat.choice import reasons, solve_choice
+from remat_compiler.solvers.cpsat.choice import solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
                                   flatten_step, is_inplace_after_save, run_traced, signature_of, trace,
@@ -175,10 +176,18 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
     """The plan for ``cg`` and where it came from: the given one (``"given"``, if it is for this
     graph and fits the budget), a cached one (``"cache"``: ``spec.plan_cache``, verified), else the
     strategy's (``"solved"``), made on rank 0 alone under torch.distributed (``"rank 0"`` on the
-    other ranks)."""
+    other ranks).
+
+    A fraction budget is of ``cg``'s no-recompute peak, except for a given plan whose combines were
+    chosen in its solve: of the peak it records (``extras["fraction_base_bytes"]``, the model's as it
+    is, which the choice resolved the fraction on), so the same fraction accepts it again."""
     if spec.plan is not None:
         spec.plan.check_applies_to(cg)
-        budget_bytes = resolve_budget(cg, spec.budget)
+        base = spec.plan.extras.get("fraction_base_bytes")  # a chosen plan's: the graph as the model is
+        if spec.budget.fraction is not None and type(base) is int and base > 0:
+            budget_bytes = spec.budget.resolve(base)
+        else:
+            budget_bytes = resolve_budget(cg, spec.budget)
         if budget_bytes is not None and spec.plan.peak_bytes > budget_bytes:
             raise PlanMismatchError(
                 f"the plan given peaks at {spec.plan.peak_bytes} bytes, above memory_budget "
@@ -238,11 +247,12 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     spec that traces the chosen combines and applies that choice (:func:`chosen_combines`).
 
     With a plan cache, the plan is looked up under the key of the graph as the model is (marked as a
-    choice) and verified on the graph traced with the combines it records; a solved plan is stored
-    there.
+    choice) and verified on the graph traced with the combines it records (a hit traces neither the
+    fused combine nor builds the union); a solved plan is stored there.
 
     When the one solve finds no plan under the budget (it does not rerun values), the spec is
-    returned unchanged: the model is planned as it is (``combine="autograd"``) by
+    returned with only the solve's clock added (``deadline``: the choice and the fallback share one
+    ``time_limit_s``): the model is planned as it is (``combine="autograd"``) by
     :func:`~remat_compiler.solvers.cpsat.solve_cpsat`, whose reruns may go lower and whose
     lowest-peak search names the smallest feasible budget.
 
@@ -251,12 +261,12 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     ValueError
         If the two combines' graphs do not align (:func:`align_combines`).
     """
-    graphs = {}
-    for mode in COMBINE_MODES:
-        with combine_modes(model, mode):
+    def traced_with(modes) -> CostGraph:
+        with combine_modes(model, modes):
             traced = trace_once()
-        graphs[mode] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
-    union = align_combines(graphs["autograd"], graphs["fused"])
+        return annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+
+    graphs = {"autograd": traced_with("autograd")}
     budget_bytes = resolve_budget(graphs["autograd"], spec.budget)
     budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
     store = None
@@ -264,28 +274,30 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         fields = {**key_fields(graphs["autograd"], budget_bytes, spec.cost_model or CostModel(), spec.strategy,
                                spec.options), "moe_combine": "chosen in the solve"}
         key = key_of(fields)
-        modes = spec.plan_cache.recorded_combines(key)
-        cg = graphs["autograd"]
-        if modes is not None and set(modes) == set(union.pieces) and set(modes.values()) <= set(COMBINE_MODES):
-            with combine_modes(model, modes):
-                traced = trace_once()
-            cg = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
-        cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: absent, or reported and re-planned
+        segments = moe_combine_of(graphs["autograd"])
+        modes = spec.plan_cache.recorded_combines(key, segments)  # None: absent, or reported bad
+        cached = None
+        if modes is not None:  # a hit needs neither the fused trace nor the union
+            cg = graphs["autograd"] if set(modes.values()) == {"autograd"} else traced_with(modes)
+            cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: reported and re-planned
         if cached is not None:
             return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
+    graphs["fused"] = traced_with("fused")
+    union = align_combines(graphs["autograd"], graphs["fused"])
+    deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
     try:
-        choice = solve_choice(union, budget_bytes, **spec.options)
-    except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, as before
-        return spec
+        choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
+    except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
+        return dataclasses.replace(spec, options={**spec.options, "deadline": deadline})
     flipped = {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
-        with combine_modes(model, {**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}):
-            traced = trace_once()
-        flipped[seg] = peak_of(annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1], choice.saved)
-    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, solve_time_s=choice.solve_time_s,
-                               model_peak_bytes=choice.model_peak_bytes, why=reasons(choice, flipped),
-                               on_plan=store)
+        flipped[seg] = peak_of(traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}),
+                               choice.saved)
+    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, gap=choice.gap,
+                               solve_time_s=choice.solve_time_s, model_peak_bytes=choice.model_peak_bytes,
+                               flipped_peak_bytes=flipped, on_plan=store,
+                               fraction_base_bytes=no_recompute(graphs["autograd"]).peak_bytes)
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 

@@ -12,8 +12,8 @@ again. With ``compile(..., plan_cache=DIR)`` (or ``plan_model(..., plan_cache=DI
 The key (:func:`cache_key`) covers everything that changes the plan: the graph fingerprint (the
 graph, shapes, dtypes, whether outputs are held), the budget in bytes, the cost model's rates (the
 device model the runtime estimate and so the objective come from), the solver's name and the options
-it takes that change its answer (not ``progress`` or ``memo``, which do not change the plan's
-meaning), the forced and forbidden saves a policy resolved to, and this module's and the plan's
+it takes that change its answer (not ``progress``, ``memo`` or ``deadline``, which do not change the
+plan's meaning), the forced and forbidden saves a policy resolved to, and this module's and the plan's
 schema versions.
 
 A file is never trusted: it must parse, carry this cache's schema version and its own key, hold a
@@ -45,7 +45,7 @@ __all__ = ["PlanCache", "PlanCacheWarning", "cache_key", "key_fields", "key_of",
 CACHE_SCHEMA_VERSION = 1
 
 #: Solver options that do not change the plan: left out of the key.
-UNKEYED_OPTIONS = frozenset({"progress", "memo"})
+UNKEYED_OPTIONS = frozenset({"progress", "memo", "deadline"})
 
 
 class PlanCacheWarning(UserWarning):
@@ -152,26 +152,40 @@ class PlanCache:
                           PlanCacheWarning, stacklevel=3)
             return None
 
-    def recorded_combines(self, key: str) -> dict[str, str] | None:
+    def recorded_combines(self, key: str, segments) -> dict[str, str] | None:
         """The MoE combine per segment that the plan under ``key`` records
-        (``plan.extras["moe_combine"]``), read without verifying the plan: which graph to verify it
-        against (:meth:`load`) when the combines were chosen in the solve. None if there is no
-        readable plan file or it records none.
+        (``plan.extras["moe_combine"]``): which graph to verify it against (:meth:`load`) when the
+        combines were chosen in the solve.
+
+        The file is read as :meth:`load` reads it (its schema version, its key, the plan's digest),
+        and it must record a combine mode (:data:`~remat_compiler.moe.layer.COMBINE_MODES`) for
+        exactly ``segments``. None if there is no file, or if it is not such a plan: then a
+        :class:`PlanCacheWarning` says why, and the caller re-plans (its store replaces the file).
 
         Raises
         ------
         OSError
             If the file exists but cannot be read.
         """
+        from remat_compiler.moe.layer import COMBINE_MODES
+
+        path = self.path(key)
         try:
-            with open(self.path(key), encoding="utf-8") as f:
-                doc = json.loads(f.read())
-            combine = json.loads(doc["plan"])["extras"]["moe_combine"]
-            return {seg: c["mode"] for seg, c in combine.items()}
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None  # not a plan that records them: load() reports what is wrong with the file
+        try:
+            modes = _recorded_modes(text, key)
+            if set(modes) != set(segments) or not all(isinstance(m, str) and m in COMBINE_MODES
+                                                      for m in modes.values()):
+                raise ValueError(f"it records the combines {modes!r}, not one of {COMBINE_MODES} for each "
+                                 f"of the segments {sorted(segments)}")
+        except ValueError as exc:
+            warnings.warn(f"plan cache file {path} is not a valid plan for this step, re-planning: {exc}",
+                          PlanCacheWarning, stacklevel=3)
+            return None
+        return modes
 
     @staticmethod
     def _verified(text: str, key: str, cg: CostGraph, budget_bytes: int | None) -> Plan:
@@ -210,3 +224,17 @@ class PlanCache:
         path = self.path(key)
         atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True))
         return path
+
+
+def _recorded_modes(text: str, key: str) -> dict:
+    """``{segment: mode}`` as a cache file's verified plan records them, or ValueError."""
+    try:
+        doc = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("cache_schema_version") != CACHE_SCHEMA_VERSION or doc.get("key") != key:
+        raise ValueError("not a cache file of this schema version and key")
+    combine = Plan.from_json(doc.get("plan")).extras.get("moe_combine")
+    if not isinstance(combine, dict) or not all(isinstance(c, dict) for c in combine.values()):
+        raise ValueError(f"it records no MoE combine per segment: {combine!r}")
+    return {seg: c.get("mode") for seg, c in combine.items()}

@@ -17,8 +17,9 @@ from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe.layer import combine_modes, combine_modes_of, fused_combine_mode
 from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.schedule import peak_of
+from remat_compiler.trace import trace
 from remat_compiler.solvers.combine_choice import align_combines
-from remat_compiler.solvers.cpsat.choice import solve_choice, union_steps
+from remat_compiler.solvers.cpsat.choice import build_choice_model, solve_choice, union_steps
 
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64
 SHAPE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, top_k=2)
@@ -284,6 +285,19 @@ def test_loose_budget_choice_is_exact_explained_and_reapplied(tmp_path):
     assert_exact(again, x, "reapplied")
 
 
+def test_a_chosen_plan_applies_again_under_the_same_fraction(x, tmp_path):
+    """A fraction budget is of the model's no-recompute peak (every combine autograd) both when the
+    combines are chosen and when the saved plan is applied: the round trip at 0.85 keeps the choice
+    (it was refused, the fraction resolved on the chosen graph's smaller peak)."""
+    first = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=0.85, time_limit_s=5).plan
+    assert "fused" in _modes(first).values()  # a fused segment lowers the chosen graph's own peak
+    first.save(tmp_path / "plan.json")
+    again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=0.85,
+                                      plan=Plan.load(tmp_path / "plan.json"))
+    assert again.source == "given" and again.plan.digest() == first.digest()
+    assert again.plan.budget_bytes == first.budget_bytes
+
+
 def test_other_solvers_and_a_fused_model_plan_as_before(x):
     """The choice is the default solver's on models left at combine='autograd': moe_cpsat plans
     the fused combine everywhere, and a model whose user chose the fused combine keeps it."""
@@ -302,6 +316,26 @@ def test_a_budget_no_choice_meets_falls_back_to_the_model_as_it_is(x):
         remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=10_000, time_limit_s=3)
 
 
+def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
+    """The union solve and the fallback to the model as it is share one time_limit_s: the fallback's
+    solve_cpsat runs on the clock the choice started (its solve time counts the choice's), instead
+    of a fresh time_limit_s after it."""
+    import time
+
+    import remat_compiler.api as api
+
+    clocks = []
+
+    def finds_none(union, budget_bytes, **options):
+        clocks.append(options["deadline"])
+        time.sleep(1.0)  # the choice's search, spent
+        raise remat_compiler.InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False)
+    monkeypatch.setattr(api, "solve_choice", finds_none)
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5).plan
+    assert len(clocks) == 1 and "why" not in str(plan.extras)  # the model as it is, by solve_cpsat
+    assert plan.solve_time_s >= 1.0 and clocks[0].elapsed() >= plan.solve_time_s
+
+
 @pytest.mark.parametrize("budget", [None, 300_000, 250_000])
 def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
     """The union model's peak is the simulated peak of the saved set on the graph traced with the
@@ -317,6 +351,51 @@ def test_the_one_model_peak_is_the_chosen_graph_simulated(union, x, budget):
     assert budget is None or choice.model_peak_bytes <= budget
 
 
+def test_costs_that_would_overflow_a_lexicographic_objective_still_choose(x, monkeypatch):
+    """At real sizes ``cost * (peak_hi + 1) + peak`` overflows int64 (MODEL_INVALID, which was taken
+    for an infeasible budget and the choice silently dropped): here a device 1e10 times slower than
+    the default gives the small stack such costs. The model validates and the two-stage solve
+    chooses, at the least peak of the least cost."""
+    from passes import CostModel
+
+    slow = CostModel(compute_flops_per_s=10.0, memory_bytes_per_s=2.0)
+    model = worker.make_model(SHAPE)
+    big = align_combines(analyze(model, (x,), cost_model=slow)[1],
+                         analyze(model, (x,), solver="moe_cpsat", cost_model=slow)[1])
+    assert build_choice_model(big, None).model.validate() == ""
+    choice = solve_choice(big, 300_000, time_limit_s=10)
+    assert choice.status == "optimal" and choice.gap == 0.0 and set(choice.modes) == set(SEGMENTS)
+    assert choice.model_peak_bytes <= 300_000
+    from ortools.sat.python import cp_model
+
+    import remat_compiler.solvers.cpsat.choice as choice_module
+
+    monkeypatch.setattr(choice_module, "run_solver", lambda *a, **k: cp_model.MODEL_INVALID)
+    with pytest.raises(RuntimeError, match="combine-choice CP-SAT model is invalid"):  # never "infeasible"
+        solve_choice(big, 300_000, time_limit_s=1)
+
+
+def test_a_feasible_choice_reports_its_gap_and_the_simulated_peak(x, monkeypatch):
+    """A solve stopped before it proved its peak: its peak variable is only a bound. The plan keeps
+    the solve's status and gap (it reported gap 0.0), and explain() compares the simulated peak of
+    the chosen graph, not the bound, with the other combine's."""
+    import dataclasses
+
+    import remat_compiler.api as api
+    from remat_compiler.budget import human_bytes
+
+    def loose(*args, **kwargs):
+        choice = solve_choice(*args, **kwargs)
+        return dataclasses.replace(choice, model_peak_bytes=choice.model_peak_bytes + 50_000,
+                                   status="feasible", gap=0.25)
+    monkeypatch.setattr(api, "solve_choice", loose)
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=300_000, time_limit_s=5).plan
+    assert plan.status == "feasible" and plan.gap == 0.25
+    assert plan.model_peak_bytes == plan.peak_bytes + 50_000
+    for c in plan.extras["moe_combine"].values():
+        assert f"step peak {human_bytes(plan.peak_bytes)}, against" in c["why"], c["why"]
+
+
 def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
     """With plan_cache=, the chosen plan is stored once and a fresh model's compile applies it: the
     same combines and saved set, exact again."""
@@ -329,3 +408,61 @@ def test_a_plan_cache_keeps_the_chosen_combines(x, tmp_path):
     assert again.plan.digest() == first.plan.digest() and list(tmp_path.glob("*.plan.json")) == files
     assert "chosen in the one CP-SAT solve" in again.plan.explain()
     assert_exact(again, x, "cached")
+
+
+def test_a_cache_hit_traces_only_the_model_and_the_recorded_combines(x, tmp_path, cached_choice, monkeypatch):
+    """A hit needs the graph as the model is (the key) and the graph of the recorded combines (to
+    verify the plan on), then the pipeline's own trace: not the all-fused graph nor the union."""
+    import remat_compiler.api as api
+
+    first, name, text = cached_choice
+    (tmp_path / name).write_text(text)
+    traced = []
+    monkeypatch.setattr(api, "trace", lambda *a, **k: traced.append(1) or trace(*a, **k))
+    again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=tmp_path)
+    assert again.plan.digest() == first.digest()
+    assert len(traced) == (2 if set(_modes(first).values()) == {"autograd"} else 3)
+
+
+def _tamper(path, mode, *, fix_digest: bool) -> None:
+    """Set the first segment's recorded combine mode in a cache file to ``mode``; with
+    ``fix_digest`` the plan's digest is recomputed, so only the mode itself is wrong."""
+    import json
+
+    from remat_compiler.plan import _document_digest
+
+    doc = json.loads(path.read_text())
+    plan = json.loads(doc["plan"])
+    plan["extras"]["moe_combine"][next(iter(plan["extras"]["moe_combine"]))]["mode"] = mode
+    if fix_digest:
+        plan.pop("digest")
+        version = plan.pop("schema_version")
+        plan = {**plan, "schema_version": version, "digest": _document_digest(plan)}
+    doc["plan"] = json.dumps(plan)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.fixture(scope="module")
+def cached_choice(x, tmp_path_factory):
+    """A plan cache holding the chosen plan of SHAPE with no budget: (the plan, its file's text)."""
+    d = tmp_path_factory.mktemp("cache")
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=d).plan
+    (path,) = d.glob("*.plan.json")
+    return plan, path.name, path.read_text()
+
+
+@pytest.mark.parametrize("mode, fix_digest", [(["fused"], False), ("custom", True)])
+def test_a_corrupt_recorded_combine_is_reported_and_replanned(x, tmp_path, cached_choice, mode, fix_digest):
+    """A cache file whose recorded combine is not a mode (a list, an unknown name), with or without
+    a digest that matches, is reported with a PlanCacheWarning and re-planned; the new plan replaces
+    it. (A list crashed the compile with TypeError.)"""
+    from remat_compiler.plan_cache import PlanCache, PlanCacheWarning
+
+    first, name, text = cached_choice
+    path = tmp_path / name
+    path.write_text(text)
+    _tamper(path, mode, fix_digest=fix_digest)
+    with pytest.warns(PlanCacheWarning, match="not a valid plan for this step"):
+        again = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=tmp_path)
+    assert again.source == "solved" and _modes(again.plan) == _modes(first)
+    assert PlanCache(tmp_path).recorded_combines(name.split(".")[0], SEGMENTS) == _modes(again.plan)

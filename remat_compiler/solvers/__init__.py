@@ -20,7 +20,7 @@ from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanMismatchError
 from remat_compiler.moe.layer import combine_modes, fused_combine_mode
 from remat_compiler.plan import Plan, make_plan, moe_combine_of
-from remat_compiler.schedule import no_recompute
+from remat_compiler.schedule import no_recompute, peak_of
 from remat_compiler.solvers.baselines import solve_checkpoint_blocks, solve_save_all
 from remat_compiler.solvers.cpsat import OPTIONS as CPSAT_OPTIONS, solve_cpsat
 from remat_compiler.solvers.greedy import solve_greedy
@@ -135,7 +135,8 @@ def solve(cg: CostGraph, budget, solver: str | Callable[..., Plan] | Strategy = 
 
 
 def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: float,
-                    model_peak_bytes: int, why: dict[str, str],
+                    model_peak_bytes: int, flipped_peak_bytes: dict[str, int], gap: float = 0.0,
+                    fraction_base_bytes: int | None = None,
                     on_plan: Callable[[Plan], None] | None = None) -> Strategy:
     """The ``cpsat`` strategy that applies a choice already made by one solve over both MoE combines
     (:func:`remat_compiler.solvers.cpsat.choice.solve_choice`): it traces every MoELayer segment with
@@ -147,11 +148,18 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
         Each segment's combine.
     saved : iterable of str
         The saved forward values.
-    status, solve_time_s, model_peak_bytes :
+    status, gap, solve_time_s, model_peak_bytes :
         As the solve found them (the plan records them; ``check_plan`` holds the simulated peak to
         ``model_peak_bytes``).
-    why : dict of str to str
-        Per segment, why its combine was chosen (``plan.explain()`` says it).
+    flipped_peak_bytes : dict of str to int
+        Per segment, the simulated peak of the saved set with that segment's combine switched:
+        ``plan.explain()`` says why each combine was chosen against it and the plan's simulated peak
+        (:func:`~remat_compiler.solvers.cpsat.choice.reasons`).
+    fraction_base_bytes : int, optional
+        What a fraction budget was a fraction of: the no-recompute peak of the graph as the model
+        is (every combine autograd), not of the chosen graph. The plan records it
+        (``extras["fraction_base_bytes"]``) so that applying it under the same fraction resolves
+        the same budget (:func:`remat_compiler.api.decide`).
     on_plan : callable, optional
         Called with the plan once it is made (a plan cache stores it).
 
@@ -161,17 +169,21 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
         Its ``solve(cg, budget_bytes)`` raises PlanMismatchError on a graph whose segments were
         traced with other combines.
     """
+    from remat_compiler.solvers.cpsat.choice import reasons
+
     saved = list(saved)
 
     def solve(cg: CostGraph, budget_bytes: int | None) -> Plan:
         combine = moe_combine_of(cg)
         if {seg: c["mode"] for seg, c in combine.items()} != modes:
             raise PlanMismatchError(f"the graph's MoE combines {combine} are not the ones chosen, {modes}")
+        why = reasons(modes, peak_of(cg, saved), flipped_peak_bytes)
         for seg, c in combine.items():
             c["why"] = why[seg]
-        plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status,
+        plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status, gap=gap,
                          solve_time_s=solve_time_s, model_peak_bytes=model_peak_bytes,
-                         extras={"moe_combine": combine})
+                         extras={"moe_combine": combine, **({} if fraction_base_bytes is None else
+                                                            {"fraction_base_bytes": fraction_base_bytes})})
         if on_plan is not None:
             on_plan(plan)
         return plan

@@ -36,14 +36,15 @@ __all__ = ["solve_cpsat", "OPTIONS", "SolveMemo", "min_feasible_peak", "cost_uni
 #: The options :func:`solve_cpsat` takes (the solver registry refuses others).
 OPTIONS = frozenset({"time_limit_s", "num_workers", "deterministic", "minimize_peak", "forced_saved",
                      "forbidden_saved", "progress", "warm_start", "block_reuse", "block_reuse_share",
-                     "objective", "reruns", "memo"})
+                     "objective", "reruns", "memo", "deadline"})
 
 
 def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0,
                 num_workers: int | None = None, deterministic: bool = False, minimize_peak: bool = True,
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
                 block_reuse: bool = True, block_reuse_share: float = 0.4, objective: str = "runtime",
-                reruns: bool = True, memo: SolveMemo | None = None, solver_name: str = "cpsat") -> Plan:
+                reruns: bool = True, memo: SolveMemo | None = None, solver_name: str = "cpsat",
+                deadline: Deadline | None = None) -> Plan:
     """Minimise recompute cost subject to the simulated peak <= ``budget_bytes``.
 
     Parameters
@@ -93,6 +94,10 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         Plans and block menus of earlier solves on this graph, owned by the caller (a sweep over
         budgets, a compiled module), which seed this solve and receive its plans. Without one the
         plan depends only on the arguments (and, without ``deterministic``, the time available).
+    deadline : Deadline, optional
+        The clock to run on, in place of a new one of ``time_limit_s``: a caller that spent part of
+        the time limit already (the combine choice, :func:`remat_compiler.api.choose_combines`)
+        hands over what is left.
     solver_name : str
         The name the plan records (``"moe_cpsat"`` when that strategy calls this one).
 
@@ -113,7 +118,9 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
     if deterministic and memo is not None:
         raise ValueError("deterministic=True promises the plan of the arguments alone: pass no memo")
-    job = Job(cg, budget_bytes, objective, Deadline(time_limit_s, deterministic=deterministic),
+    if deadline is None:
+        deadline = Deadline(time_limit_s, deterministic=deterministic)
+    job = Job(cg, budget_bytes, objective, deadline,
               memo if memo is not None else SolveMemo(), tuple(forced_saved), tuple(forbidden_saved),
               num_workers, reruns)
     start = seed(job, heuristics=warm_start, block_reuse=block_reuse, block_reuse_share=block_reuse_share)

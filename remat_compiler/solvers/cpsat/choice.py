@@ -17,12 +17,13 @@ autograd piece does:
 
 The absent piece's steps then run nothing: what is live across them is live at the next present
 node too, so the cumulative's peak is the simulated peak of the graph traced with the chosen
-combines (``check_plan`` holds the plan to it). One case is bounded rather than exact: a value
+combines; the peak variable bounds it, tightly once the peak stage is optimal (``check_plan``
+holds the plan to it). One case is bounded rather than exact: a value
 outside the pieces that the pieces of two segments read is live to the later of its ends in every
 choice (an MoELayer stack has none: each segment's pieces read only its own output gradient). The
-objective is the recompute cost, then the peak, in one
-lexicographic objective of one solve. Reruns, warm starts and the block decomposition of
-:func:`~remat_compiler.solvers.cpsat.solve_cpsat` are not used here.
+objective is the recompute cost, then the peak, in two stages of one clock (:func:`solve_choice`).
+Reruns and the block decomposition of :func:`~remat_compiler.solvers.cpsat.solve_cpsat` are
+not used here.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from functools import reduce
 from ortools.sat.python import cp_model
 
 from remat_compiler.budget import human_bytes
+from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.schedule import bw_time, no_recompute, recomputed_outputs
 from remat_compiler.solvers.combine_choice import CombineUnion
@@ -55,12 +57,16 @@ class Choice:
     saved : list of str
         The forward values saved (names are the same in every mode's graph).
     model_peak_bytes : int
-        The model's peak (the simulated peak of the graph traced with ``modes``).
+        The model's peak variable: a bound of the simulated peak of the saved set on the graph
+        traced with ``modes``, equal to it when the peak stage is proven optimal (a plan reports
+        the simulated one, :attr:`~remat_compiler.plan.Plan.peak_bytes`).
     cost : int
         The recompute cost, in :func:`~remat_compiler.solvers.cpsat.costs.cost_units`.
     status : str
-        ``"optimal"`` or ``"feasible"``.
+        ``"optimal"`` or ``"feasible"`` (of the recompute cost).
     solve_time_s : float
+    gap : float
+        The proven relative gap of the cost (0 when optimal).
     """
 
     modes: dict[str, str]
@@ -69,6 +75,7 @@ class Choice:
     cost: int
     status: str
     solve_time_s: float
+    gap: float = 0.0
 
 
 @dataclass
@@ -297,7 +304,7 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     m.add_cumulative(intervals, demands, peak)
     costs = {v: cost_units(cg, v, objective) for v in M}
     cost = sum(costs[v] * r[v] for v in M if costs[v] > 0)
-    m.minimize(cost * (max(peak_hi, 0) + 1) + peak)  # the least cost, then the least peak at it
+    m.minimize(cost)  # the least cost; solve_choice then the least peak at it, in a second stage
     return ChoiceModel(m, fused, s, peak, cost, unit)
 
 
@@ -344,20 +351,28 @@ def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int,
 
 
 def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
-                 num_workers: int | None = None, objective: str = "runtime") -> Choice:
-    """Choose every segment's combine and the saved set in one CP-SAT solve.
+                 num_workers: int | None = None, objective: str = "runtime",
+                 deadline: Deadline | None = None) -> Choice:
+    """Choose every segment's combine and the saved set in one CP-SAT model, solved in two stages
+    on one clock: the least recompute cost, then (``cost <= best``, hinted with the first stage's
+    solution) the least peak at it. (One lexicographic objective ``cost * (peak_hi + 1) + peak``
+    overflows int64 at real sizes.)
 
     Parameters
     ----------
     union : CombineUnion
     budget_bytes : int | None
     time_limit_s : float
+        Both stages together (ignored with ``deadline``).
     num_workers : int, optional
     objective : "runtime" | "flops"
+    deadline : Deadline, optional
+        The clock to take the stages' time from (default: a new one of ``time_limit_s``).
 
     Returns
     -------
     Choice
+        Its status and gap are the cost stage's (the peak only breaks ties).
 
     Raises
     ------
@@ -366,35 +381,64 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
         found in time). Its smallest feasible budget is not searched (it names the budget itself,
         unproven): :func:`remat_compiler.api.choose_combines` then plans the model as it is, with
         :func:`~remat_compiler.solvers.cpsat.solve_cpsat`'s reruns and lowest-peak search.
+    RuntimeError
+        If CP-SAT calls the model invalid (a bug here, never a budget that does not fit).
     """
     t0 = time.perf_counter()
+    deadline = deadline if deadline is not None else Deadline(time_limit_s)
     cm = build_choice_model(union, budget_bytes, objective=objective)
-    solver = make_solver(time_limit_s, num_workers, deterministic=False)
-    status = run_solver(solver, cm.model)
+    solver = make_solver(deadline.slice(0.8), num_workers, deterministic=False)
+    status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
                                     advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the smallest")
-    modes = {seg: "fused" if solver.boolean_value(b) else "autograd" for seg, b in cm.fused.items()}
-    saved = [v for v, var in cm.saved.items() if solver.value(var)]
-    return Choice(modes, saved, solver.value(cm.peak) * cm.unit_bytes, int(solver.value(cm.cost)),
-                  "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0)
+    best, bound = int(solver.value(cm.cost)), solver.best_objective_bound
+    gap = 0.0 if status == cp_model.OPTIMAL or best == 0 else max(0.0, best - bound) / best
+    found = solver
+    if not isinstance(cm.cost, int):  # some value costs something: the least peak at the least cost
+        cm.model.add(cm.cost <= best)
+        cm.model.clear_hints()
+        for i, value in enumerate(solver.response_proto.solution):
+            cm.model.proto.solution_hint.vars.append(i)
+            cm.model.proto.solution_hint.values.append(value)
+        cm.model.minimize(cm.peak)
+        second = make_solver(deadline.slice(), num_workers, deterministic=False)
+        if _checked(run_solver(second, cm.model, deadline=deadline), cm.model) in (cp_model.OPTIMAL,
+                                                                                      cp_model.FEASIBLE):
+            found = second
+    modes = {seg: "fused" if found.boolean_value(b) else "autograd" for seg, b in cm.fused.items()}
+    saved = [v for v, var in cm.saved.items() if found.value(var)]
+    return Choice(modes, saved, found.value(cm.peak) * cm.unit_bytes, int(found.value(cm.cost)),
+                  "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0, gap)
 
 
+def _checked(status: int, model: cp_model.CpModel) -> int:
+    """``status``, unless CP-SAT found the model invalid: then RuntimeError naming why (never
+    treated as a budget that does not fit)."""
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"the combine-choice CP-SAT model is invalid: {model.validate() or 'MODEL_INVALID'}; "
+                           "plan with solver='moe_cpsat' (the fused combine everywhere) meanwhile")
+    return status
 
-def reasons(choice: Choice, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
+
+def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
     """Why each segment got its combine, for ``plan.explain()``.
 
     Parameters
     ----------
-    choice : Choice
+    modes : dict of str to str
+        Each segment's chosen combine (:attr:`Choice.modes`).
+    peak_bytes : int
+        The simulated step peak of the saved set on the graph traced with ``modes`` (not the
+        model's peak variable, which is only a bound unless the solve proved it).
     flipped_peak_bytes : dict of str to int
         Per segment, the simulated step peak of the same saved set with that segment's combine
         switched to the other one (what it needs then is recomputed; a comparison, not a solve).
     """
     found = {}
-    for seg, mode in choice.modes.items():
+    for seg, mode in modes.items():
         other = "autograd" if mode == "fused" else "fused"
         found[seg] = (f"chosen in the one CP-SAT solve with the saved set: step peak "
-                      f"{human_bytes(choice.model_peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
+                      f"{human_bytes(peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
                       f"with the {other} combine here and the same saved set")
     return found
