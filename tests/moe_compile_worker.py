@@ -134,7 +134,8 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
     """A CP-SAT plan of the stack with its loss: measured peak of several steps, the predicted peak,
     and whether every collective's wait in the emitted graphs is followed by the release of its inputs."""
     model = MeanSquare(make_model(group))
-    compiled = remat_compiler.compile(model, memory_budget=0.8, solver="cpsat", **CPSAT_OPTIONS)
+    # any plan under the budget will do (its measured peak is checked against its prediction)
+    compiled = remat_compiler.compile(model, memory_budget=0.8, solver="cpsat", time_limit_s=2, num_workers=1)
     x = x.detach().clone().requires_grad_(True)
     peaks = []
     for _ in range(steps + 1):  # the first call traces and plans
