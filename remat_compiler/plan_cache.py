@@ -140,10 +140,8 @@ class PlanCache:
             If the file exists but cannot be read (a permission error is not a cache miss).
         """
         path = self.path(key)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
+        text = _read_or_none(path)
+        if text is None:
             return None
         try:
             return self._verified(text, key, cg, budget_bytes)
@@ -170,10 +168,8 @@ class PlanCache:
         from remat_compiler.moe.layer import COMBINE_MODES
 
         path = self.path(key)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
+        text = _read_or_none(path)
+        if text is None:
             return None
         try:
             modes = _recorded_modes(text, key)
@@ -224,6 +220,15 @@ class PlanCache:
         path = self.path(key)
         atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True))
         return path
+
+
+def _read_or_none(path: str) -> str | None:
+    """A cache file's text, or None if there is no such file (any other OSError propagates)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _recorded_modes(text: str, key: str) -> dict:
