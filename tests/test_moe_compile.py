@@ -217,7 +217,7 @@ def test_expert_parallel_strategies(ep_ranks):
     world, ranks = ep_ranks
     for r, res in enumerate(ranks):
         # each rank's compiled step equals its eager step, for every strategy
-        assert set(res["compiled"]) == {*HAND_PICKED, "cpsat"}
+        assert set(res["compiled"]) == {*(HAND_PICKED if world == 2 else worker.FOUR_RANK_STRATEGIES), "cpsat"}
         for name, got in res["compiled"].items():
             assert_same_step(got, res["eager"], f"rank {r} {name}")
         # all ranks hold the identical plan (digests all-gathered on every rank)
@@ -229,12 +229,14 @@ def test_expert_parallel_strategies(ep_ranks):
                                     ("bw", "dispatch_a2a"): CFG["num_layers"],
                                     ("bw", "combine_a2a"): CFG["num_layers"]}
         # recomputing an all-to-all is charged: origin sends every forward all-to-all again
-        fw_comm = plans["save_all"]["fw_comm_bytes"]
+        fw_comm = plans["moe_fast"]["fw_comm_bytes"]  # the model's graph, as save_all's (2 ranks) is
         assert fw_comm > 0
         assert plans["moe_origin"]["recompute_comm_bytes"] == fw_comm
         assert plans["moe_fast"]["recompute_comm_bytes"] == 0
-        assert plans["moe_custom"]["recompute_comm_bytes"] == 0
-        assert plans["save_all"]["recompute_comm_bytes"] == 0
+        if world == 2:
+            assert plans["save_all"]["fw_comm_bytes"] == fw_comm
+            assert plans["moe_custom"]["recompute_comm_bytes"] == 0
+            assert plans["save_all"]["recompute_comm_bytes"] == 0
         # ... and priced at the link bandwidth in recompute_s (checked on 2 ranks)
         if world == 2:
             (slow_s, slow_comm), (fast_s, fast_comm) = (res["link"][worker.SLOW_LINK],
@@ -322,7 +324,8 @@ def test_expert_parallel_uneven_splits(ep_ranks):
 
 
 MIXTRAL_TOL = dict(rtol=1e-5, atol=1e-6)  # float32
-MIXTRAL_CPSAT = dict(time_limit_s=0.5, num_workers=2, minimize_peak=False, deterministic=True)  # CP-SAT time: load-proof
+# CP-SAT's deterministic time: load-proof
+MIXTRAL_CPSAT = dict(time_limit_s=0.5, num_workers=2, minimize_peak=False, deterministic=True)
 
 
 def make_mixtral():
