@@ -261,10 +261,18 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     ValueError
         If the two combines' graphs do not align (:func:`align_combines`).
     """
+    layers = [path for path, m in model.named_modules() if isinstance(m, MoELayer)]
+    traced_graphs: dict[tuple, CostGraph] = {}
+
     def traced_with(modes) -> CostGraph:
-        with combine_modes(model, modes):
-            traced = trace_once()
-        return annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+        """The cost graph of the step with these combines, traced once per distinct choice (a
+        one-layer model's flipped choice is the other combine's graph, traced already)."""
+        key = tuple(modes if isinstance(modes, str) else modes.get(p, "autograd") for p in layers)
+        if key not in traced_graphs:
+            with combine_modes(model, modes):
+                traced = trace_once()
+            traced_graphs[key] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
+        return traced_graphs[key]
 
     graphs = {"autograd": traced_with("autograd")}
     budget_bytes = resolve_budget(graphs["autograd"], spec.budget)

@@ -24,23 +24,14 @@ pytest.importorskip("transformers")
 from examples.zoo import build  # noqa: E402
 from remat_compiler.moe.hf import (FUSED_CHILD, grouped_combine_dgrad, hf_fused_combine_mode,  # noqa: E402
                                    why_not_fusable)
+from tests.test_zoo import SEED, _step  # noqa: E402  (the seeded step: loss and gradients)
 
-SEED = 1234
 BATCH, SEQ = 4, 32
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32
 CPSAT_BUDGET = 0.9  # of the fused graph's no-recompute peak
 # family -> (MoE layers, top-k at the default config)
 FAMILIES = {"mixtral": (2, 2), "qwen2_moe": (2, 4)}
 HIDDEN = 32
-
-
-def _step(model, call, inputs):
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(SEED)
-    loss = call(**inputs)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _experts(model):

@@ -40,7 +40,8 @@ from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.schedule import bw_time, no_recompute, recomputed_outputs
 from remat_compiler.solvers.combine_choice import CombineUnion
 from remat_compiler.solvers.cpsat.costs import cost_units
-from remat_compiler.solvers.cpsat.parts import add_decisions, alloc_index, is_const, storage_readers
+from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
+                                                is_const, storage_readers)
 from remat_compiler.solvers.cpsat.run import make_solver, run_solver
 
 __all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "solve_choice", "reasons"]
@@ -208,30 +209,14 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     # first[v]: the first step needing v; st[v]: where a recomputed v is materialised
     st = {v: m.new_int_var(0, direct_first.get(v, B - 1), f"st_{v}") for v in M}
     first = {v: m.new_int_var(0, B - 1, f"first_{v}") for v in M}
-    getitem_parent = {u: cg.preds(u)[0] for u in M if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
-    for v in M:
-        terms = [direct_first[v]] if v in direct_first else []
-        for k, when in cond_direct.get(v, ()):
+    cond_reads = {}  # a piece's read of v: at its step when the piece is present, else never (B - 1)
+    for v, reads in cond_direct.items():
+        for k, when in reads:
             x = m.new_int_var(0, B - 1, f"xc_{v}_{k}")
             m.add(x == k).only_enforce_if(when)
             m.add(x == B - 1).only_enforce_if(~when)
-            terms.append(x)
-        for w in cg.g.successors(v):
-            if w not in in_m:
-                continue
-            at = first[w] if getitem_parent.get(w) == v else st[w]
-            x = m.new_int_var(0, B - 1, f"x_{v}_{w}")
-            if is_const(r[w]):
-                m.add(x == B - 1)
-            else:
-                m.add(x == at).only_enforce_if(r[w])
-                m.add(x == B - 1).only_enforce_if(~r[w])
-            terms.append(x)
-        m.add_min_equality(first[v], terms or [B - 1])
-        if v in getitem_parent:
-            m.add(st[v] == st[getitem_parent[v]]).only_enforce_if(r[v])
-        else:
-            m.add(st[v] == first[v])
+            cond_reads.setdefault(v, []).append(x)
+    add_first_need(m, cg, M, r, direct_first, B, first, st, more_reads=cond_reads)
 
     # intervals: (start, end, bytes, literal or None; end may be a variable)
     fixed = _fixed_intervals(union, to_union, lit)
@@ -255,26 +240,10 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
         demands.append(size)
         if v not in in_m:
             continue
-        lo = bw_last.get(v, -1)
-        last = m.new_int_var(bw_time(F, lo) if lo >= 0 else F, t_end, f"last_{v}")
-        for k, when in cond_last.get(v, ()):
-            m.add(last >= bw_time(F, k)).only_enforce_if(when)
-        for u in rc_readers.get(v, ()):
-            if u in in_m and u != v:
-                m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
-        rc_start = m.new_int_var(bw_time(F, 0, a), bw_time(F, B - 1, a), f"rcs_{v}")
-        m.add(rc_start == bw_time(F, st[v], a))
-        m.add(last >= rc_start).only_enforce_if(r[v])
-        sv_size = m.new_int_var(0, t_end + 1, f"svsz_{v}")
-        m.add(sv_size == last - e)
-        sv_end = m.new_int_var(0, t_end + 2, f"svend_{v}")
-        intervals.append(m.new_optional_interval_var(e + 1, sv_size, sv_end, s[v], f"sv_{v}"))
-        demands.append(size)
-        rc_size = m.new_int_var(1, t_end + 1, f"rcsz_{v}")
-        m.add(rc_size == last - rc_start + 1).only_enforce_if(r[v])
-        rc_end = m.new_int_var(F, t_end + 2, f"rce_{v}")
-        intervals.append(m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}"))
-        demands.append(size)
+        more, more_demands, _aux = add_value_intervals(m, cg, v, size, s, r, st, F, B, e, bw_last.get(v, -1),
+                                                       rc_readers.get(v, ()), in_m, cond_last.get(v, ()))
+        intervals += more
+        demands += more_demands
     cand_set = set(cands)
     for v in M:  # a recomputed multi-output op: its untaken outputs, and those it takes, while it runs
         if not cg.attr(v, "is_tuple"):

@@ -40,8 +40,8 @@ from ortools.sat.python import cp_model
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import build_schedule, bw_time, recomputed_outputs, simulate
 from remat_compiler.solvers.cpsat.costs import cost_units
-from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, alloc_index, fixed_intervals,
-                                                is_const, storage_readers)
+from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
+                                                fixed_intervals, is_const, storage_readers)
 
 __all__ = ["RematModel", "build_model", "hint", "exclude"]
 
@@ -142,31 +142,10 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
         demands.append(size)
         if v not in in_m:
             continue
-        lo = bw_reads.get(v, -1)
-        last = m.new_int_var(bw_time(F, lo) if lo >= 0 else F, t_end, f"last_{v}")
-        for u in rc_readers.get(v, ()):
-            if u in in_m and u != v:
-                m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
-        at = alloc_index(cg, v)
-        rc_start = m.new_int_var(bw_time(F, 0, at), bw_time(F, B - 1, at), f"rcs_{v}")
-        m.add(rc_start == bw_time(F, st[v], at))
-        m.add(last >= rc_start).only_enforce_if(r[v])
-        aux[v] = {"last": last}
-        # saved: [e+1, last]
-        sv_start = e + 1
-        sv_size = m.new_int_var(0, t_end + 1, f"svsz_{v}")
-        m.add(sv_size == last - sv_start + 1)
-        sv_end = m.new_int_var(0, t_end + 2, f"svend_{v}")
-        intervals.append(m.new_optional_interval_var(sv_start, sv_size, sv_end, s[v], f"sv_{v}"))
-        aux[v].update(sv_size=sv_size, sv_end=sv_end, sv_start=sv_start)
-        demands.append(size)
-        # recomputed: [rc_start, last]
-        rc_size = m.new_int_var(1, t_end + 1, f"rcsz_{v}")
-        m.add(rc_size == last - rc_start + 1).only_enforce_if(r[v])
-        rc_end = m.new_int_var(F, t_end + 2, f"rce_{v}")
-        intervals.append(m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}"))
-        aux[v].update(rc_start=rc_start, rc_size=rc_size, rc_end=rc_end)
-        demands.append(size)
+        more, more_demands, aux[v] = add_value_intervals(m, cg, v, size, s, r, st, F, B, e, bw_reads.get(v, -1),
+                                                         rc_readers.get(v, ()), in_m)
+        intervals += more
+        demands += more_demands
 
     for v in M:  # a recomputed multi-output op's untaken outputs, live while its getitems are taken
         if cg.attr(v, "is_tuple") and cg.attr(v, "bytes") > 0 and v not in cand_set:

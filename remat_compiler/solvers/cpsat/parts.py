@@ -6,7 +6,7 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from remat_compiler.graph import CostGraph
-from remat_compiler.schedule import SimResult, no_recompute
+from remat_compiler.schedule import SimResult, bw_time, no_recompute
 
 __all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
 
@@ -91,11 +91,12 @@ def add_decisions(m: cp_model.CpModel, cg: CostGraph, M: list[str], read: set):
 
 
 def add_first_need(m: cp_model.CpModel, cg: CostGraph, M: list[str], r: dict, direct_first: dict[str, int],
-                   B: int, first: dict, st: dict):
+                   B: int, first: dict, st: dict, more_reads: dict | None = None):
     """Constrain ``first[v]``, the first backward step that needs v (its first direct read, or the
     step where a recomputed reader is materialised; ``B - 1`` if none), and ``st[v]``, the step
     where v is materialised when recomputed (``first[v]``, except a multi-output op's getitems,
-    taken at the op's own step).
+    taken at the op's own step). ``more_reads[v]``: step variables of further reads of v (reads
+    made only under a literal, :mod:`.choice`), also candidates for the first.
 
     Start times are exact, not bounds: a value's last read may be a recomputation that reads it, so
     an early start would let the model end a saved value's life before its real last read. Returns
@@ -106,7 +107,7 @@ def add_first_need(m: cp_model.CpModel, cg: CostGraph, M: list[str], r: dict, di
     getitem_parent = {u: cg.preds(u)[0] for u in M
                       if cg.attr(u, "op") == "getitem" and cg.preds(u)[0] in in_m}
     for v in M:
-        terms = [direct_first[v]] if v in direct_first else []
+        terms = ([direct_first[v]] if v in direct_first else []) + list((more_reads or {}).get(v, ()))
         for w in cg.g.successors(v):
             if w not in in_m:
                 continue
@@ -125,3 +126,43 @@ def add_first_need(m: cp_model.CpModel, cg: CostGraph, M: list[str], r: dict, di
         else:
             m.add(st[v] == first[v])
     return xs, getitem_parent
+
+
+def add_value_intervals(m: cp_model.CpModel, cg: CostGraph, v: str, size: int, s: dict, r: dict, st: dict,
+                        F: int, B: int, fw_end: int, bw_read: int, readers, in_m, more_last=()) -> tuple:
+    """The live intervals of a candidate ``v`` that backward may need (see :mod:`.model`): saved,
+    ``[fw_end + 1, last]`` under ``s[v]``; recomputed, ``[bw_time(F, st[v], a), last]`` under ``r[v]``
+    (``a``: its op's forward index). ``last`` is at least its last direct backward read (step
+    ``bw_read``, -1 if none), every recomputed reader's time (``readers``: nodes reading v's storage)
+    and each ``(step, literal)`` of ``more_last`` under its literal (reads only some choices make).
+
+    Returns
+    -------
+    tuple
+        ``(intervals, demands, aux)``: the two optional intervals, their demands (``size`` each) and
+        the variables ``last``, ``sv_*`` and ``rc_*`` (for hints).
+    """
+    t_end = bw_time(F, B - 1)
+    idx = cg.fw_index
+    last = m.new_int_var(bw_time(F, bw_read) if bw_read >= 0 else F, t_end, f"last_{v}")
+    for k, when in more_last:
+        m.add(last >= bw_time(F, k)).only_enforce_if(when)
+    for u in readers:
+        if u in in_m and u != v:
+            m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
+    at = alloc_index(cg, v)
+    rc_start = m.new_int_var(bw_time(F, 0, at), bw_time(F, B - 1, at), f"rcs_{v}")
+    m.add(rc_start == bw_time(F, st[v], at))
+    m.add(last >= rc_start).only_enforce_if(r[v])
+    sv_start = fw_end + 1  # saved: [fw_end + 1, last]
+    sv_size = m.new_int_var(0, t_end + 1, f"svsz_{v}")
+    m.add(sv_size == last - sv_start + 1)
+    sv_end = m.new_int_var(0, t_end + 2, f"svend_{v}")
+    saved = m.new_optional_interval_var(sv_start, sv_size, sv_end, s[v], f"sv_{v}")
+    rc_size = m.new_int_var(1, t_end + 1, f"rcsz_{v}")  # recomputed: [rc_start, last]
+    m.add(rc_size == last - rc_start + 1).only_enforce_if(r[v])
+    rc_end = m.new_int_var(F, t_end + 2, f"rce_{v}")
+    recomputed = m.new_optional_interval_var(rc_start, rc_size, rc_end, r[v], f"rc_{v}")
+    aux = {"last": last, "sv_size": sv_size, "sv_end": sv_end, "sv_start": sv_start, "rc_start": rc_start,
+           "rc_size": rc_size, "rc_end": rc_end}
+    return [saved, recomputed], [size, size], aux
