@@ -54,12 +54,13 @@ TARGET_SEQ = 8192
 RSS_TARGET_BYTES = 4 * GIB
 
 
-def mistral_config(shape: str, seq: int):
-    """The ``MistralConfig`` of a :data:`SHAPES` entry, its position limit at least ``seq``."""
+def mistral_config(shape: str):
+    """The ``MistralConfig`` of a :data:`SHAPES` entry: its sizes, the rest the library's defaults
+    (positions up to 131,072)."""
     from transformers import MistralConfig
 
     sizes = {k: v for k, v in SHAPES[shape].items() if k != "time_limit_s"}
-    return MistralConfig(**sizes, max_position_embeddings=max(32768, seq), dtype="bfloat16")
+    return MistralConfig(**sizes, dtype="bfloat16")
 
 
 def _flop_ratio(plan) -> float:
@@ -77,11 +78,13 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
 
     import remat_compiler
     from passes.costs import CostModel
-    from remat_compiler.hf_config import build_causal_lm, token_inputs
+    from remat_compiler.hf_config import build_causal_lm, check_seq, token_inputs
 
     limit = time_limit_s if time_limit_s is not None else SHAPES[shape]["time_limit_s"]
     t0 = time.perf_counter()
-    model = build_causal_lm(mistral_config(shape, seq), torch.bfloat16)
+    config = mistral_config(shape)
+    check_seq(config, seq)
+    model = build_causal_lm(config, torch.bfloat16)
     cost_model = CostModel.preset("h100")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the sdpa DeviceTraceWarning (module docstring)
