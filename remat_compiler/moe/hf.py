@@ -25,8 +25,10 @@ custom op, :func:`grouped_combine_dgrad`, through one ``[S, F]`` buffer, like
 :func:`~remat_compiler.moe.combine.combine_dgrad`: it allocates nothing but its outputs.
 
 :func:`hf_fused_combine_mode` swaps this in, while a step is traced, for every experts module that
-follows the pattern (:func:`why_not_fusable` says why one does not); the forward it runs is
-transformers' own, op for op, so its outputs are identical.
+follows the pattern (:func:`why_not_fusable` says why one does not), and :func:`hf_combine_modes`
+for the blocks it names (the default solver's per-segment choice); the forward it runs is
+transformers' own, op for op and in transformers' order, so its outputs are identical and its traced
+forward is the unfused one's, node for node.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .combine import rowdot
 
 __all__ = ["grouped_combine_dgrad", "GroupedFusedCombine", "GroupedFusedCombineStep", "why_not_fusable",
-           "hf_fused_combine_mode", "FUSED_CHILD"]
+           "hf_blocks", "hf_combine_modes", "hf_fused_combine_mode", "FUSED_CHILD"]
 
 #: the submodule of a swapped experts module that runs the fused combine (``passes.moe`` tags its nodes)
 FUSED_CHILD = "fused_combine"
@@ -172,15 +174,19 @@ def _fused_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     if len(dtypes) != 1 or not top_k_weights.is_floating_point():
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     k = top_k_index.size(-1)
+    # transformers' ops in transformers' order, so that the traced forward is node for node the
+    # unfused one's (the combine choice, remat_compiler.solvers.combine_choice, relies on it)
+    weights = top_k_weights.reshape(-1)
     # the S = T * k (token, slot) copies, sorted by expert: row s holds copy order[s], of token s_token[s]
     sorted_experts, order = torch.sort(top_k_index.reshape(-1))
     s_token = order // k
-    s_prob = top_k_weights.reshape(-1)[order]
+    rows = hidden_states[s_token]
+    s_prob = weights[order]
     # rows per expert as grouped_mm's cumulative offsets (histc takes floats on the CPU, ints on CUDA)
     counted = sorted_experts.float() if hidden_states.device.type in ("cpu", "mps") else sorted_experts.int()
     offsets = torch.cumsum(torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1),
                            dim=0, dtype=torch.int32)
-    gate_up = _grouped_linear(hidden_states[s_token], self.gate_up_proj, offsets, bias=None, is_transposed=False)
+    gate_up = _grouped_linear(rows, self.gate_up_proj, offsets, bias=None, is_transposed=False)
     act = self._apply_gate(gate_up)  # [S, F]
     out = getattr(self, FUSED_CHILD)(act, self.down_proj, offsets, s_prob, order, s_token, k)
     return out.to(hidden_states.dtype)
@@ -224,12 +230,70 @@ def why_not_fusable(experts: nn.Module) -> str | None:
     return None
 
 
-def _experts_of_hf_blocks(model: nn.Module) -> list[nn.Module]:
+def hf_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The transformers MoE blocks of ``model`` that ``passes.moe`` recognises
+    (:data:`passes.moe.MOE_BLOCKS`) and that have an ``experts`` child, by module path: the names of
+    their segments in a traced graph (``meta["remat.moe"]["segment"]``)."""
     from passes.moe import MOE_BLOCKS
 
-    return [m.experts for m in model.modules()
+    return {path: m for path, m in model.named_modules()
             if MOE_BLOCKS.get(type(m).__name__, "moe_layer") != "moe_layer"
-            and isinstance(getattr(m, "experts", None), nn.Module)]
+            and isinstance(getattr(m, "experts", None), nn.Module)}
+
+
+@contextlib.contextmanager
+def hf_combine_modes(model: nn.Module, modes):
+    """Run the named transformers MoE blocks of ``model`` with the fused combine; restore on exit.
+
+    Parameters
+    ----------
+    model : nn.Module
+    modes : {"autograd", "fused"} or mapping of str to str
+        ``"fused"``: every block whose experts :func:`why_not_fusable` accepts (the others are left
+        as they are); ``"autograd"``: none. A mapping names blocks by module path
+        (:func:`hf_blocks`) with their combine: ``"fused"`` swaps the fused combine into that
+        block's experts, ``"autograd"`` leaves it as transformers runs it; blocks not named are
+        left as they are.
+
+    Raises
+    ------
+    ValueError
+        For a mode that is not ``"autograd"`` or ``"fused"``, a path that is not an MoE block of
+        ``model`` (naming those it has), or ``"fused"`` for a block whose experts cannot run it
+        (saying why). Nothing is swapped then.
+
+    Example
+    -------
+    >>> with hf_combine_modes(model, {"model.layers.0.mlp": "fused"}):   # doctest: +SKIP
+    ...     traced = remat_compiler.trace(model, (), inputs)
+    """
+    blocks = hf_blocks(model)
+    if isinstance(modes, str):
+        if modes not in ("autograd", "fused"):
+            raise ValueError(f"combine mode must be one of ('autograd', 'fused'), got {modes!r}")
+        swapped = [m.experts for m in blocks.values() if modes == "fused" and why_not_fusable(m.experts) is None]
+    else:
+        swapped = []
+        for path, mode in dict(modes).items():
+            if mode not in ("autograd", "fused"):
+                raise ValueError(f"combine mode of {path!r} must be one of ('autograd', 'fused'), got {mode!r}")
+            if path not in blocks:
+                raise ValueError(f"{path!r} is not a transformers MoE block of the model; its blocks: "
+                                 f"{', '.join(repr(p) for p in blocks) or 'none'}")
+            why = why_not_fusable(blocks[path].experts)
+            if mode == "fused" and why is not None:
+                raise ValueError(f"{path!r} cannot run the fused combine: {why}")
+            if mode == "fused":
+                swapped.append(blocks[path].experts)
+    try:
+        for m in swapped:
+            m.add_module(FUSED_CHILD, GroupedFusedCombineStep())
+            m.forward = types.MethodType(_fused_forward, m)
+        yield model
+    finally:
+        for m in swapped:
+            vars(m).pop("forward", None)
+            m._modules.pop(FUSED_CHILD, None)
 
 
 @contextlib.contextmanager
@@ -240,20 +304,13 @@ def hf_fused_combine_mode(model: nn.Module):
     :func:`why_not_fusable` accepts, the instance gets a ``forward`` (transformers' grouped_mm forward
     with the down projection and combine fused, identical outputs) and a ``fused_combine`` child
     (:class:`GroupedFusedCombineStep`); both are removed on exit, even on error. Other experts are left
-    as they are (their segments trace unfused, and ``moe_custom`` refuses them).
+    as they are (their segments trace unfused, and ``moe_custom`` refuses them). It is
+    :func:`hf_combine_modes` with ``"fused"``.
 
     Example
     -------
     >>> with hf_fused_combine_mode(model):       # doctest: +SKIP
     ...     traced = remat_compiler.trace(model, (), inputs)
     """
-    swapped = [m for m in _experts_of_hf_blocks(model) if why_not_fusable(m) is None]
-    try:
-        for m in swapped:
-            m.add_module(FUSED_CHILD, GroupedFusedCombineStep())
-            m.forward = types.MethodType(_fused_forward, m)
+    with hf_combine_modes(model, "fused"):
         yield model
-    finally:
-        for m in swapped:
-            vars(m).pop("forward", None)
-            m._modules.pop(FUSED_CHILD, None)
