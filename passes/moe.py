@@ -17,6 +17,13 @@ dict with the keys
                (``combine="fused"``, :class:`remat_compiler.moe.FusedCombine`) and of an HF
                experts module's fused down projection + combine (its ``fused_combine`` child,
                :func:`remat_compiler.moe.hf.hf_fused_combine_mode`), else False
+``grad_of``    on the backward nodes of an HF block: the forward roles (a sorted tuple) of the
+               block's forward nodes that autograd recorded under the same sequence number
+               (``meta["seq_nr"]``), i.e. of the forward ops whose gradient the node computes;
+               ``()`` where none is found, and ``None`` on every other node. Its backward roles
+               say only which submodule recorded it (``experts``), so this is what names the
+               backward of the down projection and the combine
+               (:mod:`remat_compiler.solvers.combine_choice`)
 =============  ========================================================================================
 
 Roles of forward nodes, in the order the forward runs them:
@@ -230,10 +237,21 @@ def tag_moe_segments(gm: fx.GraphModule) -> fx.GraphModule:
     for seg, nodes in members.items():
         kind = segments[seg]
         roles = _segment_roles(seg, kind, nodes)
+        grad_of = _grad_of(nodes, roles) if kind != "moe_layer" else {}
         for n in nodes:
             role, fused = roles[n]
-            n.meta[MOE] = {"segment": seg, "kind": kind, "role": role, "fused": fused}
+            n.meta[MOE] = {"segment": seg, "kind": kind, "role": role, "fused": fused,
+                           "grad_of": grad_of.get(n)}
     return gm
+
+
+def _grad_of(nodes: list[fx.Node], roles: dict[fx.Node, tuple[str, bool]]) -> dict[fx.Node, tuple]:
+    """Each backward node of a segment -> the sorted forward roles recorded under its ``seq_nr``."""
+    by_seq: dict[int, set[str]] = {}
+    for n in nodes:
+        if n.meta.get(PHASE) == "fw" and n.meta.get("seq_nr") is not None:
+            by_seq.setdefault(n.meta["seq_nr"], set()).add(roles[n][0])
+    return {n: tuple(sorted(by_seq.get(n.meta.get("seq_nr"), ()))) for n in nodes if n.meta.get(PHASE) != "fw"}
 
 
 def _segment_roles(seg: str, kind: str, nodes: list[fx.Node]) -> dict[fx.Node, tuple[str, bool]]:
