@@ -258,23 +258,25 @@ def _reason_recomputed(cg: CostGraph, n: str) -> str:
 
 
 def moe_combine_of(cg: CostGraph) -> dict[str, dict]:
-    """How each :class:`~remat_compiler.moe.MoELayer` segment of ``cg`` was traced: its combine.
+    """How each MoE segment of ``cg`` was traced: its combine.
 
     Returns
     -------
     dict
-        ``{segment: {"mode": "fused" | "autograd", "y_bytes": int}}`` for the segments
-        :mod:`passes.moe` tagged as ``kind="moe_layer"`` (empty for other graphs): ``"fused"`` when
-        the segment's GEMM2 -> A2A -> Unpermute ran as one
-        :class:`~remat_compiler.moe.FusedCombine`, and ``y_bytes`` the bytes of its GEMM2 output y
-        (what the autograd combine keeps for d(probs) and the fused one never stores).
-        A plan records it (``plan.extras["moe_combine"]``) so that applying the plan traces every
-        segment with the combine it was made for (:meth:`remat_compiler.api.PlanSpec.prepared`).
+        ``{segment: {"mode": "fused" | "autograd", "y_bytes": int}}`` for every segment
+        :mod:`passes.moe` tagged (an :class:`~remat_compiler.moe.MoELayer` or a transformers MoE
+        block; empty for other graphs): ``"fused"`` when the segment's GEMM2 -> A2A -> Unpermute
+        ran as one :class:`~remat_compiler.moe.FusedCombine` (an HF block's down projection and
+        combine as one :class:`~remat_compiler.moe.hf.GroupedFusedCombine`), and ``y_bytes`` the
+        bytes of its GEMM2 output y (what the autograd combine keeps for d(probs) and the fused
+        one never stores). A plan records it (``plan.extras["moe_combine"]``) so that applying the
+        plan traces every segment with the combine it was made for
+        (:meth:`remat_compiler.api.PlanSpec.prepared`).
     """
     found: dict[str, dict] = {}
     for n in cg.fw_order:
         tag = cg.attr(n, "moe")
-        if not tag or tag.get("kind") != "moe_layer":
+        if not tag:
             continue
         seg = found.setdefault(tag["segment"], {"mode": "autograd", "y_bytes": 0})
         if tag.get("fused"):
@@ -291,7 +293,7 @@ def _combine_lines(combine: dict) -> list[str]:
         y = human_bytes(c.get("y_bytes", 0))
         if c.get("mode") == "fused":
             why = (f"fused: y never stored ({y}); its backward reads the SwiGLU output, W2 and probs "
-                   f"(remat::combine_dgrad)")
+                   f"(remat::combine_dgrad, an HF block's remat::grouped_combine_dgrad)")
         else:
             why = f"autograd: y ({y}) kept or recomputed for d(probs)" + (
                 "" if c.get("why") else " (solver='moe_cpsat' plans this segment with the fused combine)")

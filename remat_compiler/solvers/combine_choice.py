@@ -1,20 +1,28 @@
-"""The two combines of an MoELayer segment side by side: what a solve that chooses between them per
+"""The two combines of an MoE segment side by side: what a solve that chooses between them per
 segment needs (issue 16 part 2).
 
 :class:`~remat_compiler.moe.MoELayer`'s combines (``"autograd"``: GEMM2 -> A2A -> Unpermute as plain
 ops; ``"fused"``: one :class:`~remat_compiler.moe.FusedCombine` whose backward is
-``remat::combine_dgrad``) run the same forward ops and differ, in each segment, only in one contiguous
-piece of the backward: from the gradient of the segment's output ``G`` to ``dL/da`` (the SwiGLU
-output's gradient), ``dL/dp`` (the probabilities') and ``dL/dW2``. :func:`align_combines` takes the
+``remat::combine_dgrad``), and a transformers MoE block's (its experts' down projection, routing
+weights, restored order and per-token sum as transformers runs them, or as one
+:class:`~remat_compiler.moe.hf.GroupedFusedCombine` whose backward is
+``remat::grouped_combine_dgrad``, running transformers' forward ops in transformers' order) run the
+same forward ops and differ, in each segment, only in one contiguous piece of the backward: from the
+gradient of the segment's output ``G`` to ``dL/da`` (the SwiGLU output's gradient), ``dL/dp`` (the
+probabilities') and ``dL/dW2``. An MoELayer's piece is the backward its GEMM2, combine and unpermute
+submodules recorded; an HF block's, all recorded by its ``experts`` module, is the backward of its
+GEMM2 and unpermute forward ops (:func:`in_piece`, ``passes.moe``'s ``grad_of``). :func:`align_combines` takes the
 graphs traced with every segment in each mode and checks exactly that: identical forward nodes (names,
 ops, shapes), and a backward that, outside the pieces, is the same sequence of ops in both, node for
 node. It returns the :class:`CombineUnion`: per segment, each piece's nodes, what it reads (the
 backward values upstream, the forward values, with the step it reads them at) and which of its nodes
-the rest of the backward reads in place of the other piece's.
+the rest of the backward reads in place of the other piece's. Segments left unfused in the fused
+graph (an HF block whose experts cannot run the fused combine) are no choice: their backward is
+shared.
 
 :meth:`CombineUnion.materialise` splices, for a choice of mode per segment, the chosen pieces between
 the shared nodes: it is the backward op sequence of the graph traced with those modes
-(:func:`remat_compiler.moe.layer.combine_modes`), which is the graph a plan made on the union is then
+(:func:`remat_compiler.moe.segments.segment_combines`), which is the graph a plan made on the union is then
 simulated, emitted and checked on. The forward decisions of a plan (its saved set) carry over by name,
 since the forward nodes are the same.
 
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 
 from remat_compiler.graph import CostGraph
 
-__all__ = ["Piece", "CombineUnion", "align_combines", "MODES", "PIECE_ROLES"]
+__all__ = ["Piece", "CombineUnion", "align_combines", "in_piece", "MODES", "PIECE_ROLES"]
 
 MODES = ("autograd", "fused")
 #: Backward roles of a segment's combine piece (:mod:`passes.moe`): the fused combine's backward
@@ -68,7 +76,7 @@ class Piece:
 
 @dataclass
 class CombineUnion:
-    """Both combines of every MoELayer segment, aligned (see the module docstring).
+    """Both combines of every MoE segment that is a choice, aligned (see the module docstring).
 
     Attributes
     ----------
@@ -108,7 +116,7 @@ class CombineUnion:
         """
         unknown = set(modes) - set(self.pieces)
         if unknown:
-            raise ValueError(f"no MoELayer segment {sorted(unknown)} in the graphs; segments: "
+            raise ValueError(f"no MoE segment {sorted(unknown)} to choose for in the graphs; segments: "
                              f"{', '.join(repr(s) for s in self.pieces)}")
         for seg in self.pieces:
             if modes.get(seg) not in MODES:
@@ -130,33 +138,58 @@ class CombineUnion:
         return out
 
 
-def _pieces_of(cg: CostGraph) -> dict[str, list[str]]:
-    """Each MoELayer segment's combine backward nodes, in backward order."""
+def in_piece(tag: dict | None) -> bool:
+    """Whether a backward node (its ``moe`` tag) belongs to its segment's combine piece: an
+    MoELayer's by the submodule that recorded it (:data:`PIECE_ROLES`); an HF block's, all
+    recorded by its ``experts``, by the forward ops it differentiates (``grad_of``, all of them
+    GEMM2 or unpermute: the down projection, the routing weights, the restored order, the sum)."""
+    if not tag:
+        return False
+    if tag.get("kind") == "moe_layer":
+        return tag.get("role") in PIECE_ROLES
+    grad_of = tag.get("grad_of") or ()
+    return bool(grad_of) and set(grad_of) <= PIECE_ROLES
+
+
+def _pieces_of(cg: CostGraph, segments) -> dict[str, list[str]]:
+    """The combine backward nodes of each of ``segments``, in backward order."""
     found: dict[str, list[str]] = {}
     for n in cg.bw_order:
         tag = cg.attr(n, "moe")
-        if tag and tag.get("kind") == "moe_layer" and tag.get("role") in PIECE_ROLES:
+        if in_piece(tag) and tag["segment"] in segments:
             found.setdefault(tag["segment"], []).append(n)
     return found
 
 
-def _check_forward(cg_a: CostGraph, cg_f: CostGraph) -> None:
+def _fused_segments(cg: CostGraph) -> dict[str, tuple[str, bool]]:
+    """segment -> (kind, whether any of its forward nodes ran a fused combine)."""
+    found: dict[str, tuple[str, bool]] = {}
+    for n in cg.fw_order:
+        tag = cg.attr(n, "moe") or {}
+        if tag:
+            kind, fused = found.get(tag["segment"], (tag["kind"], False))
+            found[tag["segment"]] = (kind, fused or bool(tag["fused"]))
+    return found
+
+
+def _check_forward(cg_a: CostGraph, cg_f: CostGraph) -> list[str]:
+    """Check the forwards are the same and each graph is in its mode; the segments to choose for."""
     if cg_a.fw_order != cg_f.fw_order:
         raise ValueError("the two combines' graphs have different forward nodes; trace the same model "
-                         "and inputs with combine_modes(model, 'autograd') and (model, 'fused')")
+                         "and inputs with segment_combines(model, ...) each segment 'autograd', then "
+                         "'fused'")
     for n in cg_a.fw_order:
         for key in ("op", "shape", "dtype", "storage"):
             if cg_a.attr(n, key) != cg_f.attr(n, key):
                 raise ValueError(f"forward node {n!r} differs between the two combines' graphs in its "
                                  f"{key}: {cg_a.attr(n, key)!r} against {cg_f.attr(n, key)!r}")
-    for cg, mode in ((cg_a, "autograd"), (cg_f, "fused")):
-        fused: dict[str, bool] = {}
-        for n in cg.fw_order:
-            tag = cg.attr(n, "moe") or {}
-            if tag.get("kind") == "moe_layer":
-                fused[tag["segment"]] = fused.get(tag["segment"], False) or tag["fused"]
-        if any(f != (mode == "fused") for f in fused.values()):
-            raise ValueError(f"the {mode} graph was not traced with every MoELayer in combine={mode!r}")
+    auto, fused = _fused_segments(cg_a), _fused_segments(cg_f)
+    if any(f for _k, f in auto.values()):
+        raise ValueError("the autograd graph was not traced with every MoELayer in combine='autograd' "
+                         "(and every transformers MoE block unfused)")
+    if any(k == "moe_layer" and not f for k, f in fused.values()):
+        raise ValueError("the fused graph was not traced with every MoELayer in combine='fused'")
+    return [seg for seg, (_k, f) in fused.items() if f]
 
 
 def _piece(cg: CostGraph, nodes: list[str], shared_key: dict[str, str]) -> Piece:
@@ -193,12 +226,15 @@ def _piece(cg: CostGraph, nodes: list[str], shared_key: dict[str, str]) -> Piece
 
 
 def align_combines(cg_autograd: CostGraph, cg_fused: CostGraph) -> CombineUnion:
-    """Align the graphs of a model traced with every MoELayer's combine in each mode.
+    """Align the graphs of a model traced with every segment's combine in each mode.
 
     Parameters
     ----------
     cg_autograd, cg_fused : CostGraph
-        The same step traced with ``combine_modes(model, "autograd")`` and ``(model, "fused")``.
+        The same step traced with every segment autograd, and with every segment that is a choice
+        fused (:func:`remat_compiler.moe.segments.segment_combines`): every MoELayer, and the
+        transformers blocks whose experts can run the fused combine. An HF block left unfused in
+        the fused graph is no choice: its backward is shared.
 
     Returns
     -------
@@ -207,19 +243,20 @@ def align_combines(cg_autograd: CostGraph, cg_fused: CostGraph) -> CombineUnion:
     Raises
     ------
     ValueError
-        If the forwards differ, a graph was not traced in its mode, the segments differ, a piece
-        is not contiguous in the backward, or the backwards differ outside the pieces (op for op,
+        If the forwards differ, a graph was not traced in its mode, the segments differ, no
+        segment is fused, a piece is not contiguous in the backward, or the backwards differ outside the pieces (op for op,
         with the same MoE tags, reading the same forward values); the message names the first
         difference.
     """
-    _check_forward(cg_autograd, cg_fused)
+    segments = _check_forward(cg_autograd, cg_fused)
     graphs = {"autograd": cg_autograd, "fused": cg_fused}
-    found = {mode: _pieces_of(cg) for mode, cg in graphs.items()}
-    if list(found["autograd"]) != list(found["fused"]):
-        raise ValueError(f"the combines' graphs have different MoELayer segments in backward: "
-                         f"{list(found['autograd'])} against {list(found['fused'])}")
+    found = {mode: _pieces_of(cg, segments) for mode, cg in graphs.items()}
+    if list(found["autograd"]) != list(found["fused"]) or len(found["fused"]) != len(segments):
+        raise ValueError(f"the combines' graphs have different MoE combine pieces in backward: "
+                         f"{list(found['autograd'])} against {list(found['fused'])} (segments fused "
+                         f"in the fused graph: {segments})")
     if not found["autograd"]:
-        raise ValueError("no MoELayer segment in the graphs: nothing to choose")
+        raise ValueError("no MoE segment with a fused combine in the graphs: nothing to choose")
     rest = {mode: [n for n in cg.bw_order if n not in {m for ns in found[mode].values() for m in ns}]
             for mode, cg in graphs.items()}
     if len(rest["autograd"]) != len(rest["fused"]):
