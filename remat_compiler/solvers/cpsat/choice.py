@@ -1,4 +1,5 @@
-"""One CP-SAT model that also chooses each MoELayer segment's combine (autograd or fused).
+"""One CP-SAT model that also chooses each MoE segment's combine (autograd or fused): MoELayers' and
+transformers MoE blocks' alike (:mod:`~remat_compiler.solvers.combine_choice`).
 
 The model is :mod:`.model`'s (save / recompute decisions, one cumulative of live intervals on the
 simulator's node-level time axis) over the *union* backward of a
@@ -21,7 +22,9 @@ combines; the peak variable bounds it, tightly once the peak stage is optimal (`
 holds the plan to it). One case is bounded rather than exact: a value
 outside the pieces that the pieces of two segments read is live to the later of its ends in every
 choice (an MoELayer stack has none: each segment's pieces read only its own output gradient). The
-objective is the recompute cost, then the peak, in two stages of one clock (:func:`solve_choice`).
+objective is the recompute cost, then the peak, in two stages of one clock (:func:`solve_choice`),
+warm-started with the lower of the two combines' no-recompute plans where it fits
+(:func:`hint_pure_choice`).
 Reruns and the block decomposition of :func:`~remat_compiler.solvers.cpsat.solve_cpsat` are
 not used here.
 """
@@ -37,14 +40,16 @@ from ortools.sat.python import cp_model
 from remat_compiler.budget import human_bytes
 from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
-from remat_compiler.schedule import bw_time, no_recompute, recomputed_outputs
+from remat_compiler.schedule import bw_time, build_schedule, no_recompute, recomputed_outputs, save_all_set
 from remat_compiler.solvers.combine_choice import CombineUnion
 from remat_compiler.solvers.cpsat.costs import cost_units
 from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
                                                 is_const, storage_readers)
-from remat_compiler.solvers.cpsat.run import make_solver, run_solver
+from remat_compiler.solvers.cpsat.run import make_solver, new_solver, run_solver
+from remat_compiler.solvers.greedy import best_heuristic_set
 
-__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "solve_choice", "reasons"]
+__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "hint_pure_choice", "solve_choice",
+           "reasons"]
 
 
 @dataclass
@@ -90,6 +95,8 @@ class ChoiceModel:
     peak: cp_model.IntVar
     cost: cp_model.LinearExpr
     unit_bytes: int
+    recomputed: dict[str, cp_model.IntVar] | None = None
+    need: dict[str, cp_model.IntVar] | None = None
 
 
 def union_steps(union: CombineUnion) -> list[tuple[str, str, str | None]]:
@@ -274,7 +281,7 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     costs = {v: cost_units(cg, v, objective) for v in M}
     cost = sum(costs[v] * r[v] for v in M if costs[v] > 0)
     m.minimize(cost)  # the least cost; solve_choice then the least peak at it, in a second stage
-    return ChoiceModel(m, fused, s, peak, cost, unit)
+    return ChoiceModel(m, fused, s, peak, cost, unit, r, need)
 
 
 def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int, int, object]]:
@@ -319,6 +326,51 @@ def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int,
     return out
 
 
+def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | None = None,
+                     deadline: Deadline | None = None) -> str | None:
+    """Warm start: hint every segment with the combine whose graph's no-recompute peak is lower and
+    a plan of that graph that fits ``budget_bytes`` (the no-recompute plan where it fits, else the
+    greedy heuristics' saved set, :func:`~remat_compiler.solvers.greedy.best_heuristic_set`, in a
+    slice of ``deadline``): every decision (combines, saved,
+    recomputed, needed values), then the times and intervals the decisions determine, filled in by
+    a solve with the decisions fixed (a small slice of ``deadline``), so the hint is a whole
+    solution: a search of many workers on few cores otherwise may not complete it, or find any
+    plan, in a short time limit. Returns the combine hinted (None when the heuristics found no plan
+    of it that fits: nothing is hinted)."""
+    deadline = deadline if deadline is not None else Deadline(1.0)
+    peaks = {mode: no_recompute(cg).peak_bytes for mode, cg in union.graphs.items()}
+    mode = min(peaks, key=lambda k: (peaks[k], k != "fused"))
+    cg = union.graphs[mode]
+    saved = save_all_set(cg)
+    if budget_bytes is not None and peaks[mode] > budget_bytes:
+        saved, _peak = best_heuristic_set(cg, budget_bytes, deadline=deadline.part(deadline.slice(0.1)))
+        if saved is None:
+            return None
+    schedule = build_schedule(cg, saved)
+    saved, recomputed = set(schedule.saved), set(schedule.recomputed)
+    m = cm.model
+    for var in cm.fused.values():
+        m.add_hint(var, 1 if mode == "fused" else 0)
+    for v, var in cm.saved.items():
+        m.add_hint(var, 1 if v in saved else 0)
+    for v, var in (cm.recomputed or {}).items():
+        if not is_const(var):
+            m.add_hint(var, 1 if v in recomputed else 0)
+    for v, var in (cm.need or {}).items():
+        if not is_const(var):
+            m.add_hint(var, 1 if v in recomputed or v in saved else 0)
+    fill = new_solver()
+    fill.parameters.num_workers = 1
+    fill.parameters.fix_variables_to_their_hinted_value = True
+    fill.parameters.max_time_in_seconds = deadline.slice(0.1)
+    if run_solver(fill, m, deadline=deadline) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        m.clear_hints()
+        for i, value in enumerate(fill.response_proto.solution):
+            m.proto.solution_hint.vars.append(i)
+            m.proto.solution_hint.values.append(value)
+    return mode
+
+
 def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
                  num_workers: int | None = None, objective: str = "runtime",
                  deadline: Deadline | None = None) -> Choice:
@@ -356,6 +408,7 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     t0 = time.perf_counter()
     deadline = deadline if deadline is not None else Deadline(time_limit_s)
     cm = build_choice_model(union, budget_bytes, objective=objective)
+    hint_pure_choice(cm, union, budget_bytes, deadline)
     solver = make_solver(deadline.slice(0.8), num_workers, deterministic=False)
     status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -390,7 +443,9 @@ def _checked(status: int, model: cp_model.CpModel) -> int:
     return status
 
 
-def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str, int]) -> dict[str, str]:
+def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str, int],
+            recompute_s: float | None = None, flipped_recompute_s: dict[str, float] | None = None
+            ) -> dict[str, str]:
     """Why each segment got its combine, for ``plan.explain()``.
 
     Parameters
@@ -403,6 +458,10 @@ def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str
     flipped_peak_bytes : dict of str to int
         Per segment, the simulated step peak of the same saved set with that segment's combine
         switched to the other one (what it needs then is recomputed; a comparison, not a solve).
+    recompute_s, flipped_recompute_s : optional
+        The estimated recompute time of the saved set on the chosen graph and, per segment, on the
+        switched one: said too where given (a combine that the peak does not separate is chosen
+        for what it saves recomputing).
     """
     found = {}
     for seg, mode in modes.items():
@@ -410,4 +469,7 @@ def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str
         found[seg] = (f"chosen in the one CP-SAT solve with the saved set: step peak "
                       f"{human_bytes(peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
                       f"with the {other} combine here and the same saved set")
+        if recompute_s is not None and flipped_recompute_s and seg in flipped_recompute_s:
+            found[seg] += (f" (recompute est. {recompute_s * 1e3:.3f} ms against "
+                           f"{flipped_recompute_s[seg] * 1e3:.3f} ms)")
     return found
