@@ -33,13 +33,14 @@ from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
-from remat_compiler.moe.layer import MoELayer, combine_modes
+from remat_compiler.moe.layer import MoELayer
+from remat_compiler.moe.segments import segment_combines, why_not_choosable
 from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
                                     plan_on_rank0)
-from remat_compiler.schedule import SimResult, no_recompute, peak_of
+from remat_compiler.schedule import SimResult, build_schedule, no_recompute, simulate
 from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
 from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
 from remat_compiler.solvers.cpsat.choice import solve_choice
@@ -117,11 +118,12 @@ class PlanSpec:
     def prepared(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """The model as it is traced for this spec: with a given plan that records how its MoE
         segments were traced (``plan.extras["moe_combine"]``, :func:`remat_compiler.plan.moe_combine_of`),
-        every :class:`~remat_compiler.moe.MoELayer` with the combine the plan was made for, else as
+        every MoE segment (an :class:`~remat_compiler.moe.MoELayer` or a transformers MoE block) with
+        the combine the plan was made for (:func:`~remat_compiler.moe.segments.segment_combines`), else as
         the strategy traces it (:meth:`Strategy.prepared`)."""
         combine = self.plan.extras.get("moe_combine") if self.plan is not None else None
         if combine:
-            return combine_modes(model, {seg: c["mode"] for seg, c in combine.items()})
+            return segment_combines(model, {seg: c["mode"] for seg, c in combine.items()})
         return self.strategy.prepared(model)
 
 
@@ -225,26 +227,41 @@ CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective"})
 
 
 def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
-    """Whether planning ``model`` under ``spec`` chooses each MoELayer segment's combine in its solve.
+    """Whether planning ``model`` under ``spec`` chooses MoE segments' combines in its solve.
 
     It does for the default ``solver="cpsat"`` (options among :data:`CHOICE_OPTIONS`, no policy, no
-    given plan) on one process, when every :class:`~remat_compiler.moe.MoELayer` of the
-    model has the default ``combine="autograd"``, equal splits and no expert-parallel group. A
-    user's ``combine="fused"``, another solver (``moe_cpsat`` plans the fused combine everywhere) or
-    any other case plans the graph as the model traces it, as before.
+    given plan) on one process, when the model has a segment whose combine can be chosen and every
+    :class:`~remat_compiler.moe.MoELayer` of it can
+    (:func:`~remat_compiler.moe.segments.why_not_choosable`: the default ``combine="autograd"``,
+    equal splits, no expert-parallel group). Transformers MoE blocks (Mixtral's, OLMoE's,
+    Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's) are choices where their experts can run the fused
+    combine (:func:`~remat_compiler.moe.hf.why_not_fusable`); a block whose experts cannot is no
+    choice: it keeps the autograd combine, and the others are still chosen for. A user's
+    ``combine="fused"``, another solver (``moe_cpsat`` plans the fused combine everywhere) or any
+    other case plans the graph as the model traces it, as before.
     """
     if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None \
             or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS or distributed():
         return False
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    return bool(layers) and all(m.combine_mode == "autograd" and m.splits == "equal"
-                                and m.num_local_experts == m.num_experts for m in layers)
+    layers = {path for path, m in model.named_modules() if isinstance(m, MoELayer)}
+    why = why_not_choosable(model)
+    return any(w is None for w in why.values()) and all(why[p] is None for p in layers)
+
+
+# why a segment that could be chosen for was not: its fused combine did not run when traced
+_UNFUSED = ("its experts ran transformers' forward unfused when traced (the hidden states' dtype is not "
+            "the experts' weights', as under autocast)")
 
 
 def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], TracedStep]) -> PlanSpec:
-    """Trace the step with every MoELayer in each combine, choose per segment and the saved set in one
-    CP-SAT solve over both (:func:`~remat_compiler.solvers.cpsat.choice.solve_choice`), and return the
-    spec that traces the chosen combines and applies that choice (:func:`chosen_combines`).
+    """Trace the step with every segment that is a choice in each combine, choose per segment and the
+    saved set in one CP-SAT solve over both
+    (:func:`~remat_compiler.solvers.cpsat.choice.solve_choice`), and return the spec that traces the
+    chosen combines and applies that choice (:func:`chosen_combines`).
+
+    The choices are the segments :func:`~remat_compiler.moe.segments.why_not_choosable` accepts
+    (MoELayers and transformers MoE blocks alike, by module path); the others keep the autograd
+    combine, and the plan records them with why they were no choice.
 
     With a plan cache, the plan is looked up under the key of the graph as the model is (marked as a
     choice) and verified on the graph traced with the combines it records (a hit traces neither the
@@ -252,7 +269,7 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
 
     When the one solve finds no plan under the budget (it does not rerun values), the spec is
     returned with only the solve's clock added (``deadline``: the choice and the fallback share one
-    ``time_limit_s``): the model is planned as it is (``combine="autograd"``) by
+    ``time_limit_s``): the model is planned as it is (every combine autograd) by
     :func:`~remat_compiler.solvers.cpsat.solve_cpsat`, whose reruns may go lower and whose
     lowest-peak search names the smallest feasible budget.
 
@@ -261,28 +278,30 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     ValueError
         If the two combines' graphs do not align (:func:`align_combines`).
     """
-    layers = [path for path, m in model.named_modules() if isinstance(m, MoELayer)]
+    why_not = why_not_choosable(model)
+    choices = [path for path, why in why_not.items() if why is None]
     traced_graphs: dict[tuple, CostGraph] = {}
 
-    def traced_with(modes) -> CostGraph:
-        """The cost graph of the step with these combines, traced once per distinct choice (a
-        one-layer model's flipped choice is the other combine's graph, traced already)."""
-        key = tuple(modes if isinstance(modes, str) else modes.get(p, "autograd") for p in layers)
+    def traced_with(modes: dict[str, str]) -> CostGraph:
+        """The cost graph of the step with these combines (of the choices; the rest autograd),
+        traced once per distinct choice (a one-segment model's flipped choice is the other
+        combine's graph, traced already)."""
+        key = tuple(modes.get(p, "autograd") for p in choices)
         if key not in traced_graphs:
-            with combine_modes(model, modes):
+            with segment_combines(model, dict(zip(choices, key))):
                 traced = trace_once()
             traced_graphs[key] = annotate(traced.joint, traced.num_fwd_outputs, spec.cost_model)[1]
         return traced_graphs[key]
 
-    graphs = {"autograd": traced_with("autograd")}
+    graphs = {"autograd": traced_with({})}
     budget_bytes = resolve_budget(graphs["autograd"], spec.budget)
     budget = spec.budget if budget_bytes is None else parse_budget(budget_bytes)
+    segments = moe_combine_of(graphs["autograd"])
     store = None
     if spec.plan_cache is not None:  # keyed by the graph as the model is, and verified on the chosen one
         fields = {**key_fields(graphs["autograd"], budget_bytes, spec.cost_model or CostModel(), spec.strategy,
                                spec.options), "moe_combine": "chosen in the solve"}
         key = key_of(fields)
-        segments = moe_combine_of(graphs["autograd"])
         modes = spec.plan_cache.recorded_combines(key, segments)  # None: absent, or reported bad
         cached = None
         if modes is not None:  # a hit needs neither the fused trace nor the union
@@ -291,20 +310,24 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
         if cached is not None:
             return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
-    graphs["fused"] = traced_with("fused")
+    graphs["fused"] = traced_with({p: "fused" for p in choices})
     union = align_combines(graphs["autograd"], graphs["fused"])
     deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
     try:
         choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
     except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
         return dataclasses.replace(spec, options={**spec.options, "deadline": deadline})
-    flipped = {}
+    flipped, flipped_s = {}, {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
-        flipped[seg] = peak_of(traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]}),
-                               choice.saved)
-    strategy = chosen_combines(choice.modes, choice.saved, status=choice.status, gap=choice.gap,
+        cg = traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]})
+        sim = simulate(cg, build_schedule(cg, choice.saved))
+        flipped[seg], flipped_s[seg] = sim.peak_bytes, sim.recompute_s
+    modes = {seg: choice.modes.get(seg, "autograd") for seg in segments}  # every segment the graph has
+    strategy = chosen_combines(modes, choice.saved, status=choice.status, gap=choice.gap,
                                solve_time_s=choice.solve_time_s, model_peak_bytes=choice.model_peak_bytes,
-                               flipped_peak_bytes=flipped, on_plan=store,
+                               flipped_peak_bytes=flipped, flipped_recompute_s=flipped_s, on_plan=store,
+                               not_chosen={seg: why_not.get(seg) or _UNFUSED for seg in segments
+                                           if seg not in choice.modes},
                                fraction_base_bytes=no_recompute(graphs["autograd"]).peak_bytes)
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
@@ -671,8 +694,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         ``"cpsat"`` (default), ``"greedy"``, ``"save_all"``, ``"checkpoint_blocks"``, an MoE strategy
         (:data:`remat_compiler.solvers.SOLVERS`), or a callable
         ``solve(cost_graph, budget_bytes, **opts) -> Plan``. On a model of
-        :class:`~remat_compiler.moe.MoELayer` s left at ``combine="autograd"``, ``"cpsat"`` also
-        chooses each layer's combine, autograd or fused, in its one solve (:func:`chooses_combines`).
+        :class:`~remat_compiler.moe.MoELayer` s left at ``combine="autograd"`` and/or transformers
+        MoE blocks whose experts can run the fused combine, ``"cpsat"`` also chooses each segment's
+        combine, autograd or fused, in its one solve (:func:`chooses_combines`).
     cost_model : passes.CostModel, optional
         Compute rate and bandwidths for the runtime estimate.
     plan : Plan or str, optional
