@@ -267,6 +267,9 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     choice) and verified on the graph traced with the combines it records (a hit traces neither the
     fused combine nor builds the union); a solved plan is stored there.
 
+    Where no segment's fused combine ran when traced (HF experts under autocast run transformers'
+    forward unfused), ``spec`` is returned as it is: the model is planned as it traces.
+
     When the one solve finds no plan under the budget (it does not rerun values), the spec is
     returned with only the solve's clock added (``deadline``: the choice and the fallback share one
     ``time_limit_s``): the model is planned as it is (every combine autograd) by
@@ -311,6 +314,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
             return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
     graphs["fused"] = traced_with({p: "fused" for p in choices})
+    if all(c["mode"] == "autograd" for c in moe_combine_of(graphs["fused"]).values()):
+        return spec  # no fused combine ran when traced (autocast: see _UNFUSED): the model as it is
     union = align_combines(graphs["autograd"], graphs["fused"])
     deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
     try:

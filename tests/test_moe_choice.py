@@ -185,7 +185,7 @@ def test_materialised_backward_is_the_traced_one(union, x, modes):
 def test_alignment_refuses_what_it_cannot_pair(union, x):
     with pytest.raises(ValueError, match="needs a combine mode"):
         union.materialise({"inner.layers.0": "fused"})
-    with pytest.raises(ValueError, match="no MoELayer segment"):
+    with pytest.raises(ValueError, match="no MoE segment"):
         union.materialise({"inner.layers.0": "fused", "inner.layers.1": "fused", "inner.layers.7": "fused"})
     cg_a = union.graphs["autograd"]
     with pytest.raises(ValueError, match="was not traced with every MoELayer in combine='fused'"):

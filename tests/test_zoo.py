@@ -121,11 +121,24 @@ def _assert_moe_segments(family, cg, tokens):
     assert attention and all(not cg.attr(n, "moe") for n in attention), family
 
 
+def _assert_combines_chosen(family, plan):
+    """The default solver chose every segment's combine in its solve (each block's experts can run
+    the fused combine) and explain() says which and why."""
+    want_segments, _, _ = MOE_AT_ONE_BUDGET[family]
+    combine = plan.extras["moe_combine"]
+    assert sorted(combine) == want_segments, (family, combine)
+    text = plan.explain()
+    for seg, c in combine.items():
+        assert c["mode"] in ("autograd", "fused") and "chosen in the one CP-SAT solve" in c["why"], (family, c)
+        assert f"{seg}: {c['mode']}:" in text, (family, seg)
+
+
 @pytest.mark.parametrize("family", sorted(MOE_AT_ONE_BUDGET))
 def test_moe_family_at_default_config(family):
-    """Segments recognised with their roles; CP-SAT at 0.9 of the no-recompute peak and the family's
-    hand-picked strategies (:data:`MOE_STRATEGIES`): gradients allclose to eager's, buffers equal,
-    measured peak = predicted, under the budget, and origin < fast < no recompute."""
+    """Segments recognised with their roles; CP-SAT at 0.9 of the no-recompute peak (choosing each
+    block's combine) and the family's hand-picked strategies (:data:`MOE_STRATEGIES`): gradients
+    allclose to eager's, buffers equal, measured peak = predicted, under the budget, and origin <
+    fast < no recompute."""
     model, inputs, _ = build(family)
     eager_loss, eager_grads, eager_buffers = _eager(model, inputs)
     peaks, no_recompute = {}, None
@@ -134,9 +147,10 @@ def test_moe_family_at_default_config(family):
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, solver=solver, **options)
         _step(net, m, inputs)                                   # traces and plans
-        if no_recompute is None:  # the graph every solver plans: checked once
+        if no_recompute is None:  # CP-SAT's graph, with the combines it chose (the roles are the same)
             _assert_moe_segments(family, m.planned.cg, inputs["input_ids"].numel())
-            no_recompute = solve(m.planned.cg, None, "save_all").peak_bytes
+            _assert_combines_chosen(family, m.plan)
+            no_recompute = m.plan.extras["fraction_base_bytes"]  # the model's own, as 0.9 is of it
         with LiveStorageTracker() as mem:
             got = _step(net, m, inputs)
         _assert_same(family, solver, got, (eager_loss, eager_grads))
