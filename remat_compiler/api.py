@@ -31,7 +31,7 @@ from remat_compiler.clock import Deadline
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
-from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
+from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError, RematError
 from remat_compiler.graph import CostGraph
 from remat_compiler.moe.layer import MoELayer
 from remat_compiler.moe.segments import segment_combines, why_not_choosable
@@ -230,7 +230,8 @@ def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
     """Whether planning ``model`` under ``spec`` chooses MoE segments' combines in its solve.
 
     It does for the default ``solver="cpsat"`` (options among :data:`CHOICE_OPTIONS`, no policy, no
-    given plan) on one process, when the model has a segment whose combine can be chosen and every
+    given plan), on one process or several (rank 0 chooses, :func:`choose_combines`), when the
+    model has a segment whose combine can be chosen and every
     :class:`~remat_compiler.moe.MoELayer` of it can
     (:func:`~remat_compiler.moe.segments.why_not_choosable`: the default ``combine="autograd"``,
     equal splits, no expert-parallel group). Transformers MoE blocks (Mixtral's, OLMoE's,
@@ -241,7 +242,7 @@ def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
     other case plans the graph as the model traces it, as before.
     """
     if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None \
-            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS or distributed():
+            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS:
         return False
     layers = {path for path, m in model.named_modules() if isinstance(m, MoELayer)}
     why = why_not_choosable(model)
@@ -276,11 +277,55 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     :func:`~remat_compiler.solvers.cpsat.solve_cpsat`, whose reruns may go lower and whose
     lowest-peak search names the smallest feasible budget.
 
+    Under torch.distributed rank 0 alone traces both combines and solves; it broadcasts what it
+    chose (the combines, or a cached plan, or that the model is planned as it is), so every rank
+    traces the same combines and then runs rank 0's plan (:func:`decide`). An error on rank 0 is
+    raised on every rank.
+
     Raises
     ------
     ValueError
         If the two combines' graphs do not align (:func:`align_combines`).
     """
+    if not distributed():
+        return _choose(spec, model, trace_once)[0]
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    chosen, payload, failure = spec, [None], None
+    if dist.get_rank() == 0:
+        try:
+            chosen, shared = _choose(spec, model, trace_once)
+            payload = [shared]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            payload, failure = [("error", f"{type(exc).__name__}: {exc}")], exc
+    with unset_fake_temporarily():  # tracing may run inside AOTAutograd's fake mode; the broadcast is real
+        dist.broadcast_object_list(payload, src=0)
+    kind, *rest = payload[0]
+    if failure is not None:
+        raise failure
+    if kind == "error":
+        raise RematError(f"rank 0 could not choose the MoE combines: {rest[0]}")
+    if dist.get_rank() == 0 or kind == "as is":
+        return chosen
+    budget = spec.budget if rest[0] is None else parse_budget(rest[0])
+    if kind == "plan":  # rank 0's cache hit: every rank applies it
+        return dataclasses.replace(spec, budget=budget, plan=Plan.from_json(rest[1]), plan_cache=None)
+    modes = rest[1]
+    strategy = Strategy("cpsat", _planned_on_rank0, prepare=lambda m: segment_combines(m, modes), searching=True)
+    return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
+
+
+def _planned_on_rank0(cg: CostGraph, budget_bytes: int | None) -> Plan:
+    """The strategy of a rank other than 0 after the combine choice: :func:`decide` broadcasts rank
+    0's plan to it, so it never solves."""
+    raise RuntimeError("under torch.distributed only rank 0 plans the chosen combines")
+
+
+def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], TracedStep]
+            ) -> tuple[PlanSpec, tuple]:
+    """:func:`choose_combines` on one process: the spec, and what other ranks need to follow it
+    (``("as is",)``, ``("plan", budget_bytes, plan JSON)`` or ``("chosen", budget_bytes, modes)``)."""
     why_not = why_not_choosable(model)
     choices = [path for path, why in why_not.items() if why is None]
     traced_graphs: dict[tuple, CostGraph] = {}
@@ -311,17 +356,18 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
             cg = graphs["autograd"] if set(modes.values()) == {"autograd"} else traced_with(modes)
             cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: reported and re-planned
         if cached is not None:
-            return dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None)
+            return (dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None),
+                    ("plan", budget_bytes, cached.to_json()))
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
     graphs["fused"] = traced_with({p: "fused" for p in choices})
     if all(c["mode"] == "autograd" for c in moe_combine_of(graphs["fused"]).values()):
-        return spec  # no fused combine ran when traced (autocast: see _UNFUSED): the model as it is
+        return spec, ("as is",)  # no fused combine ran when traced (autocast: see _UNFUSED)
     union = align_combines(graphs["autograd"], graphs["fused"])
     deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
     try:
         choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
     except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
-        return dataclasses.replace(spec, options={**spec.options, "deadline": deadline})
+        return dataclasses.replace(spec, options={**spec.options, "deadline": deadline}), ("as is",)
     flipped, flipped_s = {}, {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
         cg = traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]})
@@ -334,7 +380,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
                                not_chosen={seg: why_not.get(seg) or _UNFUSED for seg in segments
                                            if seg not in choice.modes},
                                fraction_base_bytes=no_recompute(graphs["autograd"]).peak_bytes)
-    return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
+    return (dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None),
+            ("chosen", budget_bytes, modes))
 
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,

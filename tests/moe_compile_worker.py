@@ -7,7 +7,8 @@ strategy and runs it once. It saves eager and compiled outputs and gradients, ea
 all-to-all nodes, (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths, and
 the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module, and
 the dropless checks of :func:`moe_uneven_worker.uneven_checks` (uneven splits, in the same job so
-that they pay for no spawn of their own), to ``out_dir/rank{r}.pt``.
+that they pay for no spawn of their own), and (on 2 ranks) the combine choice of a stack without an
+expert-parallel group (:func:`choice_on_ranks`), to ``out_dir/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -132,6 +133,26 @@ class MeanSquare(nn.Module):
         return self.inner(x).pow(2).mean()
 
 
+def choice_on_ranks(x, g) -> dict:
+    """The default compile of a stack without an expert-parallel group on every rank: rank 0 chooses
+    each layer's combine and broadcasts it, every rank traces those combines and runs rank 0's plan.
+    Its modes (recorded, and as this rank's graph traced them), the plan's digest and source, this
+    rank's eager and compiled steps, and the measured and predicted peaks."""
+    from remat_compiler.plan import moe_combine_of
+
+    compiled = remat_compiler.compile(make_model(None), memory_budget=0.8, time_limit_s=2, num_workers=1)
+    got = run_step(compiled, x, g)  # traces, chooses and plans
+    with LiveStorageTracker() as mem:
+        run_step(compiled, x, g)
+    plan = compiled.plan
+    return {"modes": {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()},
+            "why": {seg: c.get("why", "") for seg, c in plan.extras["moe_combine"].items()},
+            "traced": {seg: c["mode"] for seg, c in moe_combine_of(compiled.planned.cg).items()},
+            "digest": plan.digest(), "source": compiled.planned.source, "compiled": got,
+            "eager": run_step(make_model(None), x, g), "peak": mem.peak_bytes, "predicted": plan.peak_bytes,
+            "budget": plan.budget_bytes}
+
+
 def measured_against_plan(group, x, steps: int = 6) -> dict:
     """A CP-SAT plan of the stack with its loss: measured peak of several steps, the predicted peak,
     and whether every collective's wait in the emitted graphs is followed by the release of its inputs."""
@@ -176,7 +197,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                     "a2a_roles": all_to_all_roles(compiled["moe_fast"][0].planned.cg),
                     "link": origin_cost_per_link(group, x) if world == 2 else {},
                     "measured": measured_against_plan(group, x),
-                    "uneven": moe_uneven_worker.uneven_checks(group, world, rank)},
+                    "uneven": moe_uneven_worker.uneven_checks(group, world, rank),
+                    "choice": choice_on_ranks(x, g) if world == 2 else None},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

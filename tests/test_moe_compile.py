@@ -213,8 +213,26 @@ def ep_ranks(request, tmp_path_factory):
     return world, [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 
+def _assert_choice_on_ranks(ranks):
+    """Two ranks, a stack without an expert-parallel group, the default compile: rank 0 chooses each
+    layer's combine in its one solve and broadcasts it; both ranks trace those combines, run the
+    identical plan (rank 1's from rank 0), match their eager steps and measure the predicted peak."""
+    first = ranks[0]["choice"]
+    assert sorted(first["modes"]) == ["layers.0", "layers.1"]
+    for r, res in enumerate(ranks):
+        c = res["choice"]
+        assert c["modes"] == c["traced"] == first["modes"], (r, c["modes"], c["traced"])
+        assert all("chosen in the one CP-SAT solve" in why for why in c["why"].values()), (r, c["why"])
+        assert c["digest"] == first["digest"]
+        assert c["source"] == ("solved" if r == 0 else "rank 0"), (r, c["source"])
+        assert_same_step(c["compiled"], c["eager"], f"rank {r} chosen combines")
+        assert c["peak"] == c["predicted"] <= c["budget"], (r, c["peak"], c["predicted"], c["budget"])
+
+
 def test_expert_parallel_strategies(ep_ranks):
     world, ranks = ep_ranks
+    if world == 2:  # the combine choice on several ranks: in the 2-rank job only (the suite's time)
+        _assert_choice_on_ranks(ranks)
     for r, res in enumerate(ranks):
         # each rank's compiled step equals its eager step, for every strategy
         assert set(res["compiled"]) == {*(HAND_PICKED if world == 2 else worker.FOUR_RANK_STRATEGIES), "cpsat"}

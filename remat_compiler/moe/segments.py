@@ -32,7 +32,8 @@ def why_not_choosable(model: torch.nn.Module) -> dict[str, str | None]:
     None where it can.
 
     An MoELayer can with the default ``combine="autograd"``, equal splits and no expert-parallel
-    group (a user's ``combine="fused"`` is kept; the choice on several ranks is not built); a
+    group (a user's ``combine="fused"`` is kept; the choice for expert-parallel layers is not
+    built); a
     transformers block can where its experts can run the fused combine
     (:func:`~remat_compiler.moe.hf.why_not_fusable`).
     """
