@@ -496,6 +496,11 @@ class CompiledModule(torch.nn.Module):
     the original) and optimizers built on either keep working. Each new input signature (shapes,
     dtypes, devices, requires_grad, non-tensor arguments) is traced and planned on its first call;
     ``plan`` is the plan of the last call. In ``eval()`` or without grad, the model runs as is.
+
+    First calls are traced one at a time in a process (a lock), and the trace swaps the model's
+    parameters and buffers for its own tensors while the forward is traced: another thread that reads
+    them from the model during that window (``model.parameters()``, ``model.weight``) gets the trace's
+    tensors. Take the references before (as an optimizer does) or after the first call returns.
     """
 
     def __init__(self, model: torch.nn.Module, spec: PlanSpec, hold_outputs: bool = True,

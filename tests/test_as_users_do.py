@@ -256,12 +256,16 @@ def test_two_threads_making_the_first_call_both_succeed_and_leave_the_model_inta
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ms = [rc.compile(model, time_limit_s=2) for _ in range(2)]
     barrier, errors, grads = threading.Barrier(2), [], []
+    # the parameters as the threads' optimizers would hold them: read from the model while the other
+    # thread's first call traces, they are the trace's tensors (CompiledModule's docstring; a run on a
+    # loaded machine once hit that window)
+    params = list(model.parameters())
 
     def work(m):
         barrier.wait()
         try:
             out = m(x)
-            grads.append(torch.autograd.grad(out.sum(), list(model.parameters())))
+            grads.append(torch.autograd.grad(out.sum(), params))
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(exc)
     threads = [threading.Thread(target=work, args=(m,)) for m in ms]
