@@ -51,13 +51,13 @@ def stack_graph():
 def checkpoint_budget(cg) -> int:
     """Halfway between the smallest feasible budget (found deterministically) and the no-recompute
     peak: a budget where the plan must recompute, and has choices."""
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=2, deterministic=True, num_workers=2)
+    smallest, *_ = min_feasible_peak(cg, time_limit_s=1, deterministic=True, num_workers=2)
     return (smallest + rc.solve(cg, None, "save_all").peak_bytes) // 2
 
 
 def deterministic_plan(cg) -> dict:
     """The deterministic plan at the checkpoint budget, as comparable data."""
-    plan = rc.solve(cg, checkpoint_budget(cg), "cpsat", deterministic=True, time_limit_s=2, num_workers=2)
+    plan = rc.solve(cg, checkpoint_budget(cg), "cpsat", deterministic=True, time_limit_s=1, num_workers=2)
     return {"saved": sorted(plan.saved), "rerun": [list(r) for r in plan.rerun], "peak": plan.peak_bytes,
             "cost": plan.extras["cost_units"], "status": plan.status, "fingerprint": cg.fingerprint}
 
