@@ -21,7 +21,7 @@ from benchmarks.strategies import PYTORCH_BUDGETS  # noqa: E402
 
 def test_quick_benchmark_writes_results_and_picture(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "mlp", "--out", str(tmp_path),
-           "--time-limit", "3", "--workers", "2", "--rounds", "2"]
+           "--time-limit", "1", "--workers", "2", "--rounds", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
