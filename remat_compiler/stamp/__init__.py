@@ -37,6 +37,7 @@ from collections import OrderedDict
 
 import torch
 
+from passes import keys
 from remat_compiler.stamp.build import build
 from remat_compiler.stamp.layout import StampError, Trace
 
@@ -97,7 +98,7 @@ def _cut(container: torch.nn.Module, k: int):
 
 
 def trace_stamped(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-                  hold_outputs: bool = True, device=None, min_layers: int = MIN_LAYERS,
+                  hold_outputs: bool = True, device=None, min_layers: int | None = None,
                   strict: bool = False):
     """The :class:`~remat_compiler.trace.TracedStep` that :func:`~remat_compiler.trace.trace`
     gives for ``model``, built from traces of 3 and 4 of its layers; None where the model or its
@@ -107,17 +108,18 @@ def trace_stamped(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     ----------
     model, args, kwargs, hold_outputs, device :
         As :func:`~remat_compiler.trace.trace` takes them.
-    min_layers : int
-        The fewest layers worth it (:data:`MIN_LAYERS`).
+    min_layers : int, optional
+        The fewest layers worth it (default :data:`MIN_LAYERS`).
     strict : bool
         Raise :class:`StampError` (why not) in place of returning None, where the model has the
-        layers but its traces do not stamp.
+        layers but its traces do not stamp (a model cut to 3 layers that does not trace is one).
 
     Returns
     -------
     TracedStep or None
-        Its ``step`` is the full model's, flattened but not run: its output structure is the one
-        the 4-layer trace recorded. Planning reads only the joint graph.
+        Its joint graph's ``gm.meta["remat.stamped"]`` says where it came from. Its ``step`` is
+        the full model's, flattened but not run: its output structure is the one the 4-layer trace
+        recorded. Planning reads only the joint graph.
 
     Raises
     ------
@@ -126,7 +128,7 @@ def trace_stamped(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     """
     from remat_compiler.trace import TracedStep, flatten_step, trace
 
-    found = repeated_layers(model, min_layers)
+    found = repeated_layers(model, MIN_LAYERS if min_layers is None else min_layers)
     if found is None:
         return None
     path, container = found
@@ -135,11 +137,15 @@ def trace_stamped(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
         traces = []
         for k in TRACED_LAYERS:
             with _cut(container, k):
-                traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=device)
+                try:
+                    traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=device)
+                except Exception as exc:  # the full trace runs next and reports its own failure
+                    raise StampError(f"the model cut to {k} layers does not trace: {exc}") from exc
             if traced.step.mutated_positions:
                 raise StampError("the step mutates an input in place")
             traces.append(Trace(traced, prefix, k))
         joint, num_fwd = build(traces[0], traces[1], len(container), prefix)
+        joint.meta[keys.STAMPED] = (path, len(container), TRACED_LAYERS)
     except StampError:
         if strict:
             raise

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat_compiler.stamp.layout import Layout, StampError, Trace, tensors
@@ -261,7 +262,8 @@ def build(a: Trace, b: Trace, L: int, prefix: str) -> tuple[fx.GraphModule, int]
     if old_descs is not None:
         out.meta["desc"] = descs
     graph._codegen = _codegen_for(b.gm.graph._codegen, graph, num_fwd)
-    gm = fx.GraphModule(root, graph, class_name=type(b.gm).__name__)
+    # its Python code is generated when first asked for (the passes rewrite the graph first)
+    gm = _make_graph_module(root, graph, class_name=type(b.gm).__name__, graph_module_cls=_LazyGraphModule)
     gm.meta.update(b.gm.meta)
     return gm, num_fwd
 
@@ -286,5 +288,6 @@ def _codegen_for(old, graph: fx.Graph, num_fwd: int):
 
 def _pair_of(spec, kind) -> bool:
     """Whether ``spec`` is a tuple of two ``kind`` containers of leaves."""
-    return spec.type is tuple and len(spec.children_specs) == 2 and \
-        all(c.type is kind and all(g.is_leaf() for g in c.children_specs) for c in spec.children_specs)
+    children = spec.children()
+    return spec.type is tuple and len(children) == 2 and \
+        all(c.type is kind and all(g.is_leaf() for g in c.children()) for c in children)
