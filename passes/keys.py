@@ -20,8 +20,8 @@ __all__ = [
     "PHASE", "STORAGE", "BYTES", "REAL_BYTES", "TUPLE", "FLOPS", "RUNTIME_S", "COMM_BYTES", "NEVER_RECOMPUTE", "REASON",
     "RECOMPUTE_UNREAD", "MODULE", "BLOCK", "MOE", "MUTATED_INPUT",
     # gm.meta
-    "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS", "DEVICE", "TRACED_ON", "ALLOCATOR",
-    "COST_MODEL",
+    "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS", "DEVICE", "TRACED_ON", "STAMPED",
+    "ALLOCATOR", "COST_MODEL",
     # node.meta["custom"]
     "TRACE_MODULE", "TRACE_MODULE_CLASS",
 ]
@@ -76,6 +76,9 @@ DEVICE = "remat.device"
 #: The device type the trace ran its tensors on, where it is not DEVICE (a CUDA plan traced on a
 #: CPU-only build of PyTorch: "cpu"); absent otherwise                  (remat_compiler.trace)
 TRACED_ON = "remat.traced_on"
+#: Where the graph was stamped from traces of a few of its identical layers, not traced in full:
+#: ``(container path, layers, layer counts traced)``; absent after a full trace  (remat_compiler.stamp)
+STAMPED = "remat.stamped"
 #: Name of the allocator model the bytes are counted in (passes.allocator)             (passes.storage)
 ALLOCATOR = "remat.allocator"
 #: The cost model's fields (a dict) the runtimes were estimated with                    (passes.costs)

@@ -45,6 +45,7 @@ from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solve
 from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
 from remat_compiler.solvers.cpsat.choice import solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
+from remat_compiler.stamp import trace_stamped
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
                                   flatten_step, is_inplace_after_save, run_traced, signature_of, trace,
                                   trace_step, without_data)
@@ -386,19 +387,31 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             cost_model: CostModel | None = None, solver="cpsat",
-            hold_outputs: bool = True, device=None) -> tuple[fx.GraphModule, CostGraph]:
-    """Trace a model's step as ``solver`` traces it and annotate it (``hold_outputs``, ``device``:
-    see :func:`plan_model`): the graph and cost graph a plan is made for."""
+            hold_outputs: bool = True, device=None, stamp_layers: bool = True) -> tuple[fx.GraphModule, CostGraph]:
+    """Trace a model's step as ``solver`` traces it and annotate it (``hold_outputs``, ``device``,
+    ``stamp_layers``: see :func:`plan_model`): the graph and cost graph a plan is made for."""
     with get_solver(solver).prepared(model):
-        traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
+        traced = trace_for_planning(model, args, kwargs, hold_outputs=hold_outputs,
+                                    device=_plans_for(device, cost_model), stamp_layers=stamp_layers)
     return annotate(traced.joint, traced.num_fwd_outputs, cost_model)
+
+
+def trace_for_planning(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                       hold_outputs: bool = True, device=None, stamp_layers: bool = True) -> TracedStep:
+    """:func:`~remat_compiler.trace.trace`, or with ``stamp_layers`` and a model of many identical
+    layers, the same graph built from traces of 3 and 4 of them
+    (:func:`remat_compiler.stamp.trace_stamped`; a full trace where that does not apply)."""
+    traced = None
+    if stamp_layers:
+        traced = trace_stamped(model, args, kwargs, hold_outputs=hold_outputs, device=device)
+    return traced or trace(model, args, kwargs, hold_outputs=hold_outputs, device=device)
 
 
 def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, memory_budget=None, *,
                solver: str | Callable[..., Plan] | Strategy = "cpsat", cost_model: CostModel | None = None,
                hold_outputs: bool = True, policy: Policy | None = None, plan: Plan | str | None = None,
                plan_cache: PlanCache | str | os.PathLike | None = None, device=None,
-               **solver_options) -> PlannedGraph:
+               stamp_layers: bool = True, **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
@@ -416,6 +429,11 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         ``plan.save(path)`` here, then ``compile(model.cuda(), plan=Plan.load(path))`` on the GPU
         accepts it wherever the graph does not depend on the device
         (:func:`remat_compiler.trace.trace_device` says where it does).
+    stamp_layers : bool
+        Where the model has many identical layers (12 or more decoder layers, say), trace 3 and 4
+        of them and build the full joint graph from those (:mod:`remat_compiler.stamp`): the same
+        graph, fingerprint and plan as a full trace, in a fraction of its time. False traces in
+        full.
 
     Returns
     -------
@@ -433,7 +451,8 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
             spec = choose_combines(spec, model, lambda: trace(model, args, kwargs, hold_outputs=hold_outputs,
                                                               device=_plans_for(device, cost_model)))
     with _timed(spent, "trace"), spec.prepared(model):
-        traced = trace(model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model))
+        traced = trace_for_planning(model, args, kwargs, hold_outputs=hold_outputs,
+                                    device=_plans_for(device, cost_model), stamp_layers=stamp_layers)
     planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
     planned.timings = {**spent, **planned.timings}
     return planned
