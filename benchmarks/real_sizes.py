@@ -172,16 +172,19 @@ def _verdicts(docs: list[dict]) -> list[str]:
         half = next((p for p in d["plans"] if p["fraction"] == 0.5), None)
         if half is None:
             continue
-        ok = half["solve_s"] <= d["time_limit_s"] and half["gap"] <= 0.01
+        # the target is planning from the config: trace, baselines and solve (older documents have no
+        # baselines_s or end_to_end_s: their trace and solve)
+        total = half.get("end_to_end_s", d["trace_s"] + d.get("baselines_s", 0.0) + half["solve_s"])
+        ok = total <= d["time_limit_s"] and half["gap"] <= 0.01
         rss = d["planner_peak_rss_bytes"]
         rss_part = ""
         if d["shape"] == "70b":
             ok = ok and rss <= RSS_TARGET_BYTES
             rss_part = f", planner peak RSS {_gib(rss)} GiB (target <= {_gib(RSS_TARGET_BYTES)})"
-        lines.append(f"- {d['shape']} seq {d['seq']} at the halfway budget: solved in {half['solve_s']:.1f} s "
-                     f"(target <= {d['time_limit_s']:.0f} s), FLOP gap {half['gap']:.4f} (target <= 0.01)"
-                     f"{rss_part}: **{'met' if ok else 'not met'}**. The trace before it took "
-                     f"{d['trace_s']:.0f} s ({_how_traced(d)}), not counted in the solve.")
+        lines.append(f"- {d['shape']} seq {d['seq']} at the halfway budget: planned in {total:.1f} s from the "
+                     f"config (target <= {d['time_limit_s']:.0f} s), FLOP gap {half['gap']:.4f} (target <= 0.01)"
+                     f"{rss_part}: **{'met' if ok else 'not met'}**. Of that, the trace took {d['trace_s']:.0f} s "
+                     f"({_how_traced(d)}) and the solve {half['solve_s']:.1f} s.")
     return lines
 
 

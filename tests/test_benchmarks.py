@@ -128,12 +128,14 @@ def test_real_sizes_section_and_targets():
                 "no_recompute": {"peak_bytes": 40 * GIB}, "checkpoint": {"peak_bytes": 15 * GIB, "flop_ratio": 1.2},
                 "plans": plans, "planner_peak_rss_bytes": rss}
 
-    stamped = {**doc("7b", 8192, 59.0, 0.009, GIB), "stamped": True}
+    stamped = {**doc("7b", 8192, 55.0, 0.009, GIB), "stamped": True, "trace_s": 4.0, "baselines_s": 0.5}
     text = format_section([doc("7b", 4096, 99.0, 0.5, GIB), stamped, doc("70b", 8192, 110.0, 0.0, 5 * GIB)],
                           "cmd", "idle")
     verdicts = [line for line in text.splitlines() if line.startswith("- ")]
     assert len(verdicts) == 2  # seq 4096 is a row only
-    assert verdicts[0].startswith("- 7b seq 8192") and verdicts[0].endswith("not counted in the solve.")
+    assert verdicts[0].startswith("- 7b seq 8192") and verdicts[0].endswith("the solve 55.0 s.")
+    # the target is end to end: 4 + 0.5 + 55 s within 60 s; at 70B 30 + 110 s is over 120 s
+    assert "planned in 59.5 s" in verdicts[0] and "planned in 140.0 s" in verdicts[1]
     assert "**met**" in verdicts[0] and "stamped" in verdicts[0] and "stamped" not in verdicts[1]
     assert "planner peak RSS 5.00 GiB" in verdicts[1] and "**not met**" in verdicts[1]
     assert sum(line.startswith("| 7b |") for line in text.splitlines()) == 4
