@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 # (alphabetical order put test_zoo.py, four minutes of families, last). Measured by --durations.
 LONGEST_FIRST = ("test_zoo.py", "test_moe_compile.py", "test_moe_choice.py", "test_blockbound.py", "test_gpt2.py",
                  "test_cli.py", "test_moe_layer.py", "test_inductor.py", "test_moe_custom_peak.py", "test_rerun.py",
-                 "test_cli_hf.py", "test_hf_fused_combine.py", "test_hf_combine_choice.py", "test_plan_cache.py", "test_determinism.py",
-                 "test_check.py")
+                 "test_cli_hf.py", "test_hf_fused_combine.py", "test_hf_combine_choice.py", "test_plan_cache.py",
+                 "test_determinism.py", "test_stamp.py", "test_check.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
