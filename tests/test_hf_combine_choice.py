@@ -207,3 +207,22 @@ def test_a_block_that_cannot_fuse_is_no_choice_and_keeps_autograd():
                                                   "experts_implementation='batched_mm'"), combine
     assert "chosen in the one CP-SAT solve" in combine[SEGMENTS[0]]["why"], combine
     assert f"{SEGMENTS[1]}: autograd:" in m.plan.explain()
+
+
+def test_under_cpu_autocast_the_choice_trains_like_autocast_eager():
+    """Under CPU autocast to bfloat16 (the user's context around the step), the default compile still
+    chooses per block (the experts get float32 rows there, so the fused combine traces), records
+    each block's choice, and gives autocast eager's loss and gradients."""
+    model, inputs, _ = build("mixtral")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = copy.deepcopy(model)
+        want = _step(ref, ref, inputs)
+        net = copy.deepcopy(model)
+        m = rc.compile(net, **OPTIONS)
+        got = _step(net, m, inputs)
+    combines = m.plan.extras["moe_combine"]
+    assert sorted(combines) == list(SEGMENTS)
+    assert all(c["why"].startswith("chosen in the one CP-SAT solve") for c in combines.values()), combines
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for name, g in want[1].items():
+        assert torch.allclose(got[1][name], g, rtol=1e-5, atol=1e-6), name
