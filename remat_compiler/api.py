@@ -31,7 +31,7 @@ from remat_compiler.clock import Deadline
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
-from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError, RematError
+from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.graph import CostGraph
 from remat_compiler.moe.layer import MoELayer
 from remat_compiler.moe.segments import segment_combines, why_not_choosable
@@ -39,7 +39,7 @@ from remat_compiler.plan import Plan, moe_combine_of
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
-                                    plan_on_rank0)
+                                    on_rank0, plan_on_rank0)
 from remat_compiler.schedule import SimResult, build_schedule, no_recompute, simulate
 from remat_compiler.solvers import SOLVERS, Strategy, chosen_combines, get_solver, resolve_budget
 from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_combines
@@ -290,25 +290,18 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     """
     if not distributed():
         return _choose(spec, model, trace_once)[0]
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    chosen: list[PlanSpec] = []
 
-    chosen, payload, failure = spec, [None], None
-    if dist.get_rank() == 0:
-        try:
-            chosen, shared = _choose(spec, model, trace_once)
-            payload = [shared]
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
-            payload, failure = [("error", f"{type(exc).__name__}: {exc}")], exc
-    with unset_fake_temporarily():  # tracing may run inside AOTAutograd's fake mode; the broadcast is real
-        dist.broadcast_object_list(payload, src=0)
-    kind, *rest = payload[0]
-    if failure is not None:
-        raise failure
-    if kind == "error":
-        raise RematError(f"rank 0 could not choose the MoE combines: {rest[0]}")
-    if dist.get_rank() == 0 or kind == "as is":
-        return chosen
+    def choose() -> tuple:
+        spec_chosen, shared = _choose(spec, model, trace_once)
+        chosen.append(spec_chosen)
+        return shared
+
+    kind, *rest = on_rank0(choose, "choose the MoE combines")
+    if chosen:
+        return chosen[0]
+    if kind == "as is":
+        return spec
     budget = spec.budget if rest[0] is None else parse_budget(rest[0])
     if kind == "plan":  # rank 0's cache hit: every rank applies it
         return dataclasses.replace(spec, budget=budget, plan=Plan.from_json(rest[1]), plan_cache=None)
@@ -448,8 +441,9 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     spent: dict[str, float] = {}
     if chooses_combines(spec, model):
         with _timed(spent, "choose combines"):
-            spec = choose_combines(spec, model, lambda: trace(model, args, kwargs, hold_outputs=hold_outputs,
-                                                              device=_plans_for(device, cost_model)))
+            spec = choose_combines(spec, model, lambda: trace_for_planning(
+                model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model),
+                stamp_layers=stamp_layers))
     with _timed(spent, "trace"), spec.prepared(model):
         traced = trace_for_planning(model, args, kwargs, hold_outputs=hold_outputs,
                                     device=_plans_for(device, cost_model), stamp_layers=stamp_layers)

@@ -13,7 +13,7 @@ from remat_compiler.errors import InfeasibleBudgetError, RematError
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 
-__all__ = ["GradRecord", "GradGate", "grad_deps", "ForwardWithSignature", "distributed", "plan_on_rank0"]
+__all__ = ["GradRecord", "GradGate", "grad_deps", "ForwardWithSignature", "distributed", "on_rank0", "plan_on_rank0"]
 
 
 class GradRecord:
@@ -93,33 +93,46 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def plan_on_rank0(make_plan: Callable[[], Plan]) -> Plan:
-    """Under torch.distributed every rank runs rank 0's plan (a differing plan deadlocks collectives):
-    rank 0 solves and broadcasts the plan, or the error it met, which every rank then raises (a rank
-    that failed alone would leave the others waiting in the broadcast). Other ranks do not solve."""
+def on_rank0(make: Callable[[], tuple], what: str) -> tuple:
+    """Under torch.distributed: rank 0 runs ``make`` (a picklable tuple) and broadcasts it, and every
+    rank returns it. An error on rank 0 is told to the others before it is raised there (a rank
+    that failed alone would leave them waiting in the broadcast); they raise
+    ``RematError("rank 0 could not <what>: ...")``."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    plan, payload, failure = None, [None], None
+    payload, failure = [None], None
     if dist.get_rank() == 0:
         try:
-            plan = make_plan()
-            payload = [("plan", plan.to_json())]
-        except InfeasibleBudgetError as exc:
-            payload = [("infeasible", exc.budget_bytes, exc.min_feasible_bytes, exc.proven, str(exc))]
+            payload = [make()]
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
-            payload = [("error", f"{type(exc).__name__}: {exc}")]
-            failure = exc
+            payload, failure = [("error", f"{type(exc).__name__}: {exc}")], exc
     with unset_fake_temporarily():  # planning runs inside AOTAutograd's fake mode; the broadcast is real
         dist.broadcast_object_list(payload, src=0)
-    kind, *rest = payload[0]
+    if failure is not None:
+        raise failure
+    if payload[0][0] == "error":
+        raise RematError(f"rank 0 could not {what}: {payload[0][1]}")
+    return payload[0]
+
+
+def plan_on_rank0(make_plan: Callable[[], Plan]) -> Plan:
+    """Under torch.distributed every rank runs rank 0's plan (a differing plan deadlocks collectives):
+    rank 0 solves and broadcasts the plan, or the error it met, which every rank then raises
+    (:func:`on_rank0`). Other ranks do not solve."""
+    made: list[Plan] = []
+
+    def make() -> tuple:
+        try:
+            made.append(make_plan())
+        except InfeasibleBudgetError as exc:
+            return ("infeasible", exc.budget_bytes, exc.min_feasible_bytes, exc.proven, str(exc))
+        return ("plan", made[0].to_json())
+
+    kind, *rest = on_rank0(make, "plan this step")
     if kind == "infeasible":
         budget, smallest, proven, message = rest
         exc = InfeasibleBudgetError(budget, smallest, proven=proven)
         exc.args = (message,)
         raise exc
-    if kind == "error":
-        if failure is not None:
-            raise failure
-        raise RematError(f"rank 0 could not plan this step: {rest[0]}")
-    return plan if plan is not None else Plan.from_json(rest[0])
+    return made[0] if made else Plan.from_json(rest[0])
