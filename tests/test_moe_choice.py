@@ -332,8 +332,39 @@ def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
         raise remat_compiler.InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False)
     monkeypatch.setattr(api, "solve_choice", finds_none)
     plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5).plan
-    assert len(clocks) == 1 and "why" not in str(plan.extras)  # the model as it is, by solve_cpsat
+    assert len(clocks) == 1  # the model as it is, by solve_cpsat, which says why in explain()
+    modes = {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()}
+    assert modes == dict.fromkeys(SEGMENTS, "autograd")
+    assert all(c["why"].startswith("not chosen: the one CP-SAT solve over both combines found no plan")
+               for c in plan.extras["moe_combine"].values()), plan.extras
+    assert f"{SEGMENTS[1]}: autograd: " in plan.explain() and "found no plan under the budget" in plan.explain()
     assert plan.solve_time_s >= 1.0 and clocks[0].elapsed() >= plan.solve_time_s
+
+
+def test_a_search_that_finds_nothing_in_time_returns_its_warm_start(union, monkeypatch):
+    """The warm start is a whole plan under the budget (the fill solve completes it): when the
+    search finds no plan in its time, the choice is that plan, feasible with its gap, and not a
+    fallback to the model as it is."""
+    from ortools.sat.python import cp_model
+
+    import remat_compiler.solvers.cpsat.choice as choice_module
+
+    calls, real = [], choice_module.run_solver
+
+    def search_finds_none(solver, model, **kwargs):
+        calls.append(solver.parameters.fix_variables_to_their_hinted_value)
+        status = real(solver, model, **kwargs)
+        return status if len(calls) == 1 else cp_model.UNKNOWN  # as a search stopped before a solution
+    monkeypatch.setattr(choice_module, "run_solver", search_finds_none)
+    choice = solve_choice(union, 300_000, time_limit_s=5)
+    assert calls[:2] == [True, False]  # the fill, then the search
+    assert choice.status == "feasible" and 0.0 <= choice.gap <= 1.0
+    assert choice.model_peak_bytes <= 300_000
+    cg = union.graphs[next(iter(set(choice.modes.values())))]
+    assert len(set(choice.modes.values())) == 1 and peak_of(cg, choice.saved) <= 300_000
+    monkeypatch.setattr(choice_module, "run_solver", lambda *a, **k: real(*a, **k) and cp_model.UNKNOWN)
+    with pytest.raises(remat_compiler.InfeasibleBudgetError):  # no warm start either: none found
+        solve_choice(union, 300_000, time_limit_s=1)
 
 
 @pytest.mark.parametrize("budget", [None, 300_000, 250_000])

@@ -327,7 +327,7 @@ def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int,
 
 
 def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | None = None,
-                     deadline: Deadline | None = None) -> str | None:
+                     deadline: Deadline | None = None) -> tuple[str | None, cp_model.CpSolver | None]:
     """Warm start: hint every segment with the combine whose graph's no-recompute peak is lower and
     a plan of that graph that fits ``budget_bytes`` (the no-recompute plan where it fits, else the
     greedy heuristics' saved set, :func:`~remat_compiler.solvers.greedy.best_heuristic_set`, in a
@@ -336,7 +336,9 @@ def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | N
     a solve with the decisions fixed (a small slice of ``deadline``), so the hint is a whole
     solution: a search of many workers on few cores otherwise may not complete it, or find any
     plan, in a short time limit. Returns the combine hinted (None when the heuristics found no plan
-    of it that fits: nothing is hinted)."""
+    of it that fits: nothing is hinted), and the fill's solver when it completed the hint (its
+    solution is a whole plan under the budget, which :func:`solve_choice` returns when the search
+    finds none in its time), else None."""
     deadline = deadline if deadline is not None else Deadline(1.0)
     peaks = {mode: no_recompute(cg).peak_bytes for mode, cg in union.graphs.items()}
     mode = min(peaks, key=lambda k: (peaks[k], k != "fused"))
@@ -345,7 +347,7 @@ def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | N
     if budget_bytes is not None and peaks[mode] > budget_bytes:
         saved, _peak = best_heuristic_set(cg, budget_bytes, deadline=deadline.part(deadline.slice(0.1)))
         if saved is None:
-            return None
+            return None, None
     schedule = build_schedule(cg, saved)
     saved, recomputed = set(schedule.saved), set(schedule.recomputed)
     m = cm.model
@@ -363,12 +365,13 @@ def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | N
     fill.parameters.num_workers = 1
     fill.parameters.fix_variables_to_their_hinted_value = True
     fill.parameters.max_time_in_seconds = deadline.slice(0.1)
-    if run_solver(fill, m, deadline=deadline) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        m.clear_hints()
-        for i, value in enumerate(fill.response_proto.solution):
-            m.proto.solution_hint.vars.append(i)
-            m.proto.solution_hint.values.append(value)
-    return mode
+    if run_solver(fill, m, deadline=deadline) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return mode, None
+    m.clear_hints()
+    for i, value in enumerate(fill.response_proto.solution):
+        m.proto.solution_hint.vars.append(i)
+        m.proto.solution_hint.values.append(value)
+    return mode, fill
 
 
 def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
@@ -408,14 +411,20 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     t0 = time.perf_counter()
     deadline = deadline if deadline is not None else Deadline(time_limit_s)
     cm = build_choice_model(union, budget_bytes, objective=objective)
-    hint_pure_choice(cm, union, budget_bytes, deadline)
+    _mode, filled = hint_pure_choice(cm, union, budget_bytes, deadline)
     solver = make_solver(deadline.slice(0.8), num_workers, deterministic=False)
     status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
-                                    advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the smallest")
-    best, bound = int(solver.value(cm.cost)), solver.best_objective_bound
-    gap = 0.0 if status == cp_model.OPTIMAL or best == 0 else max(0.0, best - bound) / best
+        if status == cp_model.INFEASIBLE or filled is None:
+            raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
+                                        advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the "
+                                               "smallest")
+        # no plan found in time: the warm start is a whole plan under the budget, a feasible one
+        bound, solver, status = solver.best_objective_bound, filled, cp_model.FEASIBLE
+    else:
+        bound = solver.best_objective_bound
+    best = int(solver.value(cm.cost))
+    gap = 0.0 if status == cp_model.OPTIMAL or best == 0 else min(1.0, max(0.0, best - bound) / best)
     found = solver
     if not isinstance(cm.cost, int):  # some value costs something: the least peak at the least cost
         cm.model.add(cm.cost <= best)
