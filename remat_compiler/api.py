@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
-from remat_compiler.clock import Deadline
+from remat_compiler.clock import MIN_SLICE_S, Deadline
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
@@ -74,6 +74,10 @@ class PlanSpec:
     plan_cache : PlanCache, optional
         Look the plan up here before solving, and store what is solved
         (:mod:`remat_compiler.plan_cache`).
+    started_s : float, optional
+        When the call that plans began (``time.perf_counter()``), where its ``time_limit_s`` bounds
+        the whole call, tracing included (:func:`plan_model`): each solve then runs on the time
+        left (:meth:`clock`).
     """
 
     budget: Budget
@@ -83,6 +87,7 @@ class PlanSpec:
     cost_model: CostModel | None = None
     plan: Plan | None = None
     plan_cache: PlanCache | None = None
+    started_s: float | None = None
 
     @classmethod
     def make(cls, memory_budget, solver, options: Mapping, *, policy: Policy | None = None,
@@ -115,6 +120,24 @@ class PlanSpec:
         if plan_cache is not None and not isinstance(plan_cache, PlanCache):
             plan_cache = PlanCache(plan_cache)
         return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan, plan_cache)
+
+    def timed_from(self, started_s: float) -> "PlanSpec":
+        """This spec with its ``time_limit_s`` counted from ``started_s``, for a solver that runs on a
+        given clock (takes ``deadline``; not ``deterministic``, whose clock is CP-SAT's own time);
+        else unchanged."""
+        takes = self.strategy.options is not None and "deadline" in self.strategy.options
+        if not takes or self.options.get("time_limit_s") is None or self.options.get("deterministic"):
+            return self
+        return dataclasses.replace(self, started_s=started_s)
+
+    def clock(self) -> Deadline | None:
+        """A solve's clock where the time limit bounds the whole call (:meth:`timed_from`): what is
+        left of ``time_limit_s`` since ``started_s`` (:data:`~remat_compiler.clock.MIN_SLICE_S` at
+        least, as every phase gets), else None (the solver makes its own of ``time_limit_s``)."""
+        limit = self.options.get("time_limit_s")
+        if self.started_s is None or limit is None or "deadline" not in (self.strategy.options or ()):
+            return None
+        return Deadline(max(MIN_SLICE_S, limit - (time.perf_counter() - self.started_s)))
 
     def prepared(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """The model as it is traced for this spec: with a given plan that records how its MoE
@@ -197,6 +220,9 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
                 f"{budget_bytes} bytes: pass a larger budget, or leave plan= out to re-plan under this one")
         return spec.plan, "given"
     options = dict(spec.options)
+    clock = None if "deadline" in options else spec.clock()
+    if clock is not None:  # time_limit_s bounds the whole call: the solve gets what is left
+        options["deadline"] = clock
     if spec.policy is not None:
         options["forced_saved"], options["forbidden_saved"] = apply_policy(cg, spec.policy)
     if memo is not None and spec.strategy.options is not None and "memo" in spec.strategy.options \
@@ -253,6 +279,10 @@ def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
 # why a segment that could be chosen for was not: its fused combine did not run when traced
 _UNFUSED = ("its experts ran transformers' forward unfused when traced (the hidden states' dtype is not "
             "the experts' weights', as under autocast)")
+# why every segment kept the autograd combine: the one solve over both found no plan
+_NONE_FOUND = ("not chosen: the one CP-SAT solve over both combines found no plan under the budget in its "
+               "time, so the model was planned as it is (reruns and the lowest-peak search apply there); "
+               "solver='moe_cpsat' plans the fused combine alone")
 
 
 def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], TracedStep]) -> PlanSpec:
@@ -310,6 +340,20 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 
+def _as_is(spec: PlanSpec, why: str) -> PlanSpec:
+    """``spec``, planning the model as it is (every segment's combine autograd), whose plans record
+    why each segment was not chosen for (``extras["moe_combine"][seg]["why"]``, which explain()
+    prints)."""
+    inner = spec.strategy
+
+    def solve(cg: CostGraph, budget_bytes: int | None, **options) -> Plan:
+        plan = inner.solve(cg, budget_bytes, **options)
+        for c in plan.extras.get("moe_combine", {}).values():
+            c.setdefault("why", why)
+        return plan
+    return dataclasses.replace(spec, strategy=dataclasses.replace(inner, solve=solve))
+
+
 def _planned_on_rank0(cg: CostGraph, budget_bytes: int | None) -> Plan:
     """The strategy of a rank other than 0 after the combine choice: :func:`decide` broadcasts rank
     0's plan to it, so it never solves."""
@@ -355,13 +399,15 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
     graphs["fused"] = traced_with({p: "fused" for p in choices})
     if all(c["mode"] == "autograd" for c in moe_combine_of(graphs["fused"]).values()):
-        return spec, ("as is",)  # no fused combine ran when traced (autocast: see _UNFUSED)
+        return _as_is(spec, f"no choice: {_UNFUSED}"), ("as is",)
     union = align_combines(graphs["autograd"], graphs["fused"])
-    deadline = Deadline(spec.options.get("time_limit_s", 30.0))  # the choice's, then any fallback's
+    # the choice's clock, then any fallback's (what is left of the call's, where time_limit_s bounds it)
+    deadline = spec.clock() or Deadline(spec.options.get("time_limit_s", 30.0))
     try:
         choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
     except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
-        return dataclasses.replace(spec, options={**spec.options, "deadline": deadline}), ("as is",)
+        return _as_is(dataclasses.replace(spec, options={**spec.options, "deadline": deadline}), _NONE_FOUND), \
+            ("as is",)
     flipped, flipped_s = {}, {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
         cg = traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]})
@@ -413,7 +459,13 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         The model and an example call (only shapes and dtypes matter: parameters, buffers and
         inputs may be on the meta device, and the plan is the one real CPU tensors give).
     memory_budget, solver, cost_model, hold_outputs, policy, plan, plan_cache, **solver_options :
-        As :func:`compile` takes them.
+        As :func:`compile` takes them, except ``time_limit_s``: here it bounds the whole call, from
+        the model to the plan. The tracing (and, for a combine choice, the tracing of each combine)
+        is taken from it and the solve gets the time left (at least
+        :data:`~remat_compiler.clock.MIN_SLICE_S`), so a search solver returns its best plan by
+        then; a plan's ``solve_time_s`` is the solve's own. (Without it, and with
+        ``deterministic=True``, whose clock is CP-SAT's own time, the solver's limit starts after
+        the trace.)
     device : str or torch.device, optional
         The device a model on the meta device is planned for (default: ``cost_model.device``, the
         CPU without a cost model; ``CostModel.preset("h100")`` plans for ``"cuda"``). On CUDA the
@@ -436,8 +488,9 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     ------
     ValueError, InfeasibleBudgetError, UntraceableModelError, PlanMismatchError
     """
+    started_s = time.perf_counter()
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
-                         plan=plan, plan_cache=plan_cache)
+                         plan=plan, plan_cache=plan_cache).timed_from(started_s)
     spent: dict[str, float] = {}
     if chooses_combines(spec, model):
         with _timed(spent, "choose combines"):

@@ -109,6 +109,32 @@ def test_a_deadline_hands_out_slices_of_what_is_left():
     assert spent.expired() and spent.slice() == MIN_SLICE_S and spent.part(5.0).seconds == MIN_SLICE_S
 
 
+def test_plan_models_time_limit_bounds_the_whole_call_tracing_included(monkeypatch):
+    """plan_model(..., time_limit_s=T) (the CLI's plan --time-limit): the trace is taken from T and
+    the solve runs on what is left; without a limit, or deterministic (CP-SAT's own time), the solver
+    makes its own clock of its limit after the trace."""
+    import remat_compiler.api as api
+    from examples.models import MLPChain
+    from remat_compiler.solvers.cpsat import OPTIONS, solve_cpsat
+
+    clocks = []
+
+    def spy(cg, budget_bytes, **options):
+        clocks.append(options.get("deadline"))
+        return solve_cpsat(cg, budget_bytes, **options)
+    traced = api.trace_for_planning
+    monkeypatch.setattr(api, "trace_for_planning", lambda *a, **k: time.sleep(1.5) or traced(*a, **k))
+    strategy = Strategy("cpsat", spy, OPTIONS, searching=True)
+    model, x = MLPChain(32, 4), torch.randn(8, 32)
+    t0 = time.perf_counter()
+    plan = rc.plan_model(model, (x,), memory_budget=None, solver=strategy, time_limit_s=4).plan
+    assert clocks[-1] is not None and clocks[-1].seconds <= 4 - 1.5  # what the trace left
+    assert plan.solve_time_s <= clocks[-1].wall_elapsed() and time.perf_counter() - t0 >= 1.5
+    rc.plan_model(model, (x,), memory_budget=None, solver=strategy)
+    rc.plan_model(model, (x,), memory_budget=None, solver=strategy, time_limit_s=4, deterministic=True)
+    assert clocks[1:] == [None, None]
+
+
 def test_the_warm_start_ends_by_its_share_and_the_search_gets_the_model_it_built(monkeypatch):
     """Past ``SHARES["end"]`` of the time limit the composition and the tied blocks are not started
     (the search keeps its time); before it they get their shares, bounded by that end. The tied
