@@ -303,20 +303,33 @@ def cli(ctx: click.Context, quiet: bool, verbose: bool, progress_lines: bool) ->
 @click.option("--plan-cache", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Reuse a plan from this folder for the same graph, budget, cost model and options "
                    "(a corrupt or mismatched file is re-planned); write new plans there.")
+@click.option("--pareto", "pareto_budgets", default=None, callback=check_budget_list, metavar="B1,B2,...",
+              help="Print the budget/overhead curve over these budgets instead of one plan (what the "
+                   "pareto command prints; --timeline then names its picture).")
 @device_option
 @drop_outputs_option
 @time_limit_option
 @click.pass_context
 def plan(ctx: click.Context, budget: str | None, solver: str, fmt: str, output: str | None,
          timeline: str | None, load_path: str | None, all_rows: bool, objective: str | None,
-         plan_cache: str | None, device: str | None, drop_outputs: bool | None, time_limit_s: float | None,
-         **source) -> None:
+         plan_cache: str | None, pareto_budgets: list[str] | None, device: str | None,
+         drop_outputs: bool | None, time_limit_s: float | None, **source) -> None:
     """Trace the training step of MODULE:FACTORY (or of --hf-config's model), plan it under --budget
-    and print the plan.
+    and print the plan (with --pareto, the curve over several budgets).
 
     The factory may build the model on the meta device (``with torch.device("meta"):``): planning
     needs shapes and dtypes only, and the plan is the one real weights give."""
     console: Console = ctx.obj
+    if pareto_budgets is not None:
+        given = _given(ctx, {"budget": "--budget", "load_path": "--load", "objective": "--objective",
+                             "plan_cache": "--plan-cache", "output": "--output", "fmt": "--format",
+                             "all_rows": "--all"})
+        if given:
+            raise click.UsageError(f"--pareto sweeps its own budgets into a table; {', '.join(given)} "
+                                   "cannot be used with it")
+        _sweep(console, _load_source(ctx, console, source), pareto_budgets, solver, None, timeline, device,
+               _hold_outputs(drop_outputs, source["hf_config"]), time_limit_s)
+        return
     if load_path is not None:
         given = _given(ctx, {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
                              "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device"})
@@ -359,10 +372,16 @@ def pareto(ctx: click.Context, budgets: list[str], solver: str, strategies: list
     is 0 as long as the table is printed.
     """
     console: Console = ctx.obj
-    workload = _load_source(ctx, console, source)
+    _sweep(console, _load_source(ctx, console, source), budgets, solver, strategies, png, device,
+           _hold_outputs(drop_outputs, source["hf_config"]), time_limit_s)
+
+
+def _sweep(console: Console, workload: Workload, budgets: list[str], solver: str, strategies: list[str] | None,
+           png: str | None, device: str | None, hold_outputs: bool, time_limit_s: float | None) -> None:
+    """The pareto table (``pareto``, ``plan --pareto``): ``solver`` at each budget, then the
+    hand-picked strategies, and its picture at ``png``."""
     with timed(console, "trace and annotate"):
-        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver,
-                        hold_outputs=_hold_outputs(drop_outputs, source["hf_config"]),
+        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver, hold_outputs=hold_outputs,
                         cost_model=CostModel.preset(device) if device else None)
     with timed(console, "budget sweep"):
         rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s,

@@ -51,7 +51,9 @@ def check_solver_list(ctx, param, value: str | None) -> list[str] | None:
     return names
 
 
-def check_budget_list(ctx, param, value: str) -> list[str]:
+def check_budget_list(ctx, param, value: str | None) -> list[str] | None:
+    if value is None:  # an optional list left out
+        return None
     items = [v.strip() for v in value.split(",") if v.strip()]
     if not items:
         raise click.BadParameter("give at least one budget", ctx=ctx, param=param)

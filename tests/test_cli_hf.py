@@ -91,6 +91,17 @@ def test_pareto_hf_config_sweeps_the_budgets(config_file, capsys):
     assert 50.0 < share <= 80.0
 
 
+def test_plan_pareto_is_the_pareto_table(config_file, tmp_path, capsys):
+    """``plan --pareto B1,B2`` (the issue's spelling) prints the pareto command's table and picture."""
+    png = tmp_path / "curve.png"
+    assert main(["-q", "plan", "--hf-config", config_file, "--seq", "64", "--pareto", "1.0,0.8",
+                 "--time-limit", "1", "--timeline", str(png)]) == EXIT_OK
+    rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "100.0%" in rows["cpsat @ 1.0"] and "optimal" in rows["save_all"] and "n/a" in rows["moe_fast"]
+    assert 50.0 < float(re.search(r"(\d+\.\d)%", rows["cpsat @ 0.8"]).group(1)) <= 80.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_fit_finds_the_longest_seq_that_fits(config_file, llama, tmp_path, capsys):
     """fit's answer fits (its plan applies to the Python-built model's graph at that length, under the
     budget) and the next multiple of the step does not (no plan at that length reaches the budget)."""
@@ -157,6 +168,9 @@ def not_configs(tmp_path_factory):
     (["fit", "--hf-config", "{config}", "--budget", "1GiB", "--seq-max", "4096"], "max_position_embeddings"),
     (["fit", "--hf-config", "{config}", "--budget", "1GiB", "--seq-max", "256", "--format", "json"], "-o FILE"),
     (["-q", "--progress", "plan"], "exclude each other"),
+    (["plan", "--hf-config", "{config}", "--seq", "32", "--pareto", "0.5", "--budget", "0.4"],
+     "--pareto sweeps its own budgets into a table; --budget cannot"),
+    (["plan", "--hf-config", "{config}", "--seq", "32", "--pareto", "half"], "--pareto"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, needle, config_file, not_configs, capsys):
     argv = [a.format(bad=not_configs, config=config_file) for a in argv]
