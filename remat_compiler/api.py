@@ -32,10 +32,11 @@ from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
+from remat_compiler.fusion import fusible_recompute
 from remat_compiler.graph import CostGraph
 from remat_compiler.moe.layer import MoELayer
 from remat_compiler.moe.segments import segment_combines, why_not_choosable
-from remat_compiler.plan import Plan, moe_combine_of
+from remat_compiler.plan import Plan, make_plan, moe_combine_of
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import (ForwardWithSignature, GradGate, GradRecord, distributed, grad_deps,
@@ -351,6 +352,29 @@ def _as_is(spec: PlanSpec, why: str) -> PlanSpec:
         for c in plan.extras.get("moe_combine", {}).values():
             c.setdefault("why", why)
         return plan
+    return dataclasses.replace(spec, strategy=dataclasses.replace(inner, solve=solve))
+
+
+def _fusing(spec: PlanSpec) -> PlanSpec:
+    """``spec`` for the Inductor backend: a searching solver's plans then recompute the pointwise values
+    Inductor fuses into their readers instead of saving them
+    (:func:`remat_compiler.fusion.fusible_recompute`; the plan lists them in
+    ``extras["inductor_fused_recompute"]``). A given plan and a hand-picked strategy (whose saved set
+    is its definition) are left as they are, and so are plans with reruns."""
+    if spec.plan is not None or not spec.strategy.searching:
+        return spec
+    inner = spec.strategy
+
+    def solve(cg: CostGraph, budget_bytes: int | None, **options) -> Plan:
+        plan = inner.solve(cg, budget_bytes, **options)
+        saved = plan.saved if plan.rerun else fusible_recompute(cg, plan.saved, budget_bytes)
+        if len(saved) == len(plan.saved):
+            return plan
+        moved = [v for v in plan.saved if v not in set(saved)]
+        return make_plan(cg, saved, budget_bytes=budget_bytes, solver=plan.solver, status=plan.status,
+                         gap=plan.gap, solve_time_s=plan.solve_time_s, min_feasible_bytes=plan.min_feasible_bytes,
+                         baseline_peak_bytes=plan.baseline_peak_bytes,
+                         extras={**plan.extras, "inductor_fused_recompute": moved})
     return dataclasses.replace(spec, strategy=dataclasses.replace(inner, solve=solve))
 
 
@@ -708,7 +732,7 @@ class CompiledModule(torch.nn.Module):
         from remat_compiler.inductor import (DECOMPOSITIONS, CompiledOverBudget, InductorCompilers,
                                              UnreadableCodeError)
 
-        spec, why = self._spec, None
+        spec, why = _fusing(self._spec), None
         for _ in range(INDUCTOR_REPLANS + 1):
             compilers = InductorCompilers(lambda: _inductor_facts(entry.planned, self._spec.budget))
             entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,

@@ -152,6 +152,10 @@ class Plan:
                            and self.extras["allocator"] != "exact" else "")
                         + (f", runtimes for {rates}" if rates else "")
                         + (f" (traced on {traced})" if traced else ""))
+        fused = self.extras.get("inductor_fused_recompute")
+        if fused:
+            head.append(f"for Inductor      {len(fused)} pointwise values recomputed, not saved: their readers are "
+                        f"all pointwise, so Inductor fuses them (remat_compiler.fusion)")
         head += _combine_lines(self.extras.get("moe_combine") or {})
         if self.rerun:
             head.append(f"recomputed again  {len(self.rerun)} times: "
