@@ -250,7 +250,8 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
     return solve(), source[0]
 
 
-#: The options of the default solver under which it chooses each MoE segment's combine.
+#: The options of the default solver under which it chooses each MoE segment's combine (``progress``
+#: too: it reports the solve that follows when the choice finds no plan; the choice's own is silent).
 CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective"})
 
 
@@ -270,7 +271,7 @@ def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
     other case plans the graph as the model traces it, as before.
     """
     if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None \
-            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS:
+            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS - {"progress"}:
         return False
     layers = {path for path, m in model.named_modules() if isinstance(m, MoELayer)}
     why = why_not_choosable(model)
@@ -341,16 +342,17 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 
-def _as_is(spec: PlanSpec, why: str) -> PlanSpec:
+def _as_is(spec: PlanSpec, why: dict[str, str]) -> PlanSpec:
     """``spec``, planning the model as it is (every segment's combine autograd), whose plans record
-    why each segment was not chosen for (``extras["moe_combine"][seg]["why"]``, which explain()
-    prints)."""
+    why each segment was not chosen for (``why``, by segment, into ``extras["moe_combine"][seg]["why"]``,
+    which explain() prints)."""
     inner = spec.strategy
 
     def solve(cg: CostGraph, budget_bytes: int | None, **options) -> Plan:
         plan = inner.solve(cg, budget_bytes, **options)
-        for c in plan.extras.get("moe_combine", {}).values():
-            c.setdefault("why", why)
+        for seg, c in plan.extras.get("moe_combine", {}).items():
+            if seg in why:
+                c.setdefault("why", why[seg])
         return plan
     return dataclasses.replace(spec, strategy=dataclasses.replace(inner, solve=solve))
 
@@ -423,15 +425,16 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
     graphs["fused"] = traced_with({p: "fused" for p in choices})
     if all(c["mode"] == "autograd" for c in moe_combine_of(graphs["fused"]).values()):
-        return _as_is(spec, f"no choice: {_UNFUSED}"), ("as is",)
+        return _as_is(spec, {seg: f"no choice: {why_not.get(seg) or _UNFUSED}" for seg in segments}), ("as is",)
     union = align_combines(graphs["autograd"], graphs["fused"])
     # the choice's clock, then any fallback's (what is left of the call's, where time_limit_s bounds it)
     deadline = spec.clock() or Deadline(spec.options.get("time_limit_s", 30.0))
     try:
-        choice = solve_choice(union, budget_bytes, **spec.options, deadline=deadline)
+        choice = solve_choice(union, budget_bytes, **{k: v for k, v in spec.options.items() if k in CHOICE_OPTIONS},
+                              deadline=deadline)
     except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
-        return _as_is(dataclasses.replace(spec, options={**spec.options, "deadline": deadline}), _NONE_FOUND), \
-            ("as is",)
+        why = {seg: f"no choice: {why_not[seg]}" if why_not.get(seg) else _NONE_FOUND for seg in segments}
+        return _as_is(dataclasses.replace(spec, options={**spec.options, "deadline": deadline}), why), ("as is",)
     flipped, flipped_s = {}, {}
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
         cg = traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]})
@@ -488,9 +491,11 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         taken from it and the solve gets the time left (at least
         :data:`~remat_compiler.clock.MIN_SLICE_S`), so a search solver returns its best plan by
         then; the plan's check and the code emitted for it follow (3.5 s of 61 s on a 7B-shaped
-        model). A plan's ``solve_time_s`` is the solve's own. Without ``time_limit_s``, and with
-        ``deterministic=True`` (whose clock is CP-SAT's own time), the solver's limit starts after
-        the trace.
+        model), and so do, after a combine choice, the traces with each segment's combine flipped
+        that explain() compares (one each). A plan's ``solve_time_s`` is the solve's own. Without
+        ``time_limit_s``, with ``deterministic=True`` (whose clock is CP-SAT's own time) and for a
+        solver that runs on no given clock (``greedy``, a callable), the solver's limit starts
+        after the trace.
     device : str or torch.device, optional
         The device a model on the meta device is planned for (default: ``cost_model.device``, the
         CPU without a cost model; ``CostModel.preset("h100")`` plans for ``"cuda"``). On CUDA the

@@ -77,7 +77,8 @@ time_limit_option = click.option(
     "--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True), default=None,
     metavar="S", help="Time limit of each solve, in seconds, for solvers that take one: the whole solve "
                       "(warm start, searches, and for an infeasible budget the search for the smallest "
-                      "feasible one); for plan, from the model to the plan (the trace is taken from it). "
+                      "feasible one); for plan's one plan by cpsat, from the model to the plan (the trace is "
+                      "taken from it). "
                       "Default: the solver's (30 s for cpsat and greedy).")
 drop_outputs_option = click.option(
     "--drop-outputs/--hold-outputs", default=None,

@@ -150,7 +150,9 @@ def _assert_chosen(family, model, inputs, pure, eager, at):
     plan = m.plan
     _assert_same(got, eager, (family, at))
     assert measured == plan.peak_bytes and (at is None or measured <= at), (family, at, measured)
-    assert plan.solver == "cpsat" and plan.status == "optimal", (family, at, plan.status)
+    # optimal where the 1 s search proves it; under load the warm start it returns is a feasible plan,
+    # whose cost the next line still bounds
+    assert plan.solver == "cpsat" and plan.status in ("optimal", "feasible"), (family, at, plan.status)
     assert plan.recompute_s <= min(p.recompute_s for p in pure.values()) * (1 + 1e-9), (family, at)
     modes = {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()}
     assert sorted(modes) == list(SEGMENTS), (family, at, modes)

@@ -341,6 +341,17 @@ def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
     assert plan.solve_time_s >= 1.0 and clocks[0].elapsed() >= plan.solve_time_s
 
 
+def test_a_progress_callback_does_not_turn_the_choice_off(x):
+    """The CLI passes progress= whenever it shows progress (a terminal, --progress): the plan must
+    not depend on that. The choice still runs (its solve is silent)."""
+    from remat_compiler.api import PlanSpec, chooses_combines
+
+    assert chooses_combines(PlanSpec.make(None, "cpsat", {"progress": print}), worker.make_model(SHAPE))
+    seen = []
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, progress=seen.append).plan
+    assert all("chosen in the one CP-SAT solve" in c["why"] for c in plan.extras["moe_combine"].values()), plan.extras
+
+
 def test_a_search_that_finds_nothing_in_time_returns_its_warm_start(union, monkeypatch):
     """The warm start is a whole plan under the budget (the fill solve completes it): when the
     search finds no plan in its time, the choice is that plan, feasible with its gap, and not a
