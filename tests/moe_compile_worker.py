@@ -5,7 +5,9 @@ its rows of one global token batch, runs the step eagerly, then compiles a fresh
 strategy and runs it once. It saves eager and compiled outputs and gradients, each plan's digest
 (and every rank's digests, all-gathered), the plans' communication figures, the roles of the
 all-to-all nodes, (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths, and
-the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module, and
+the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module (both
+CP-SAT compiles are the default solver's, which chooses each expert-parallel layer's combine on rank
+0: each plan's combines and why are saved too), and
 the dropless checks of :func:`moe_uneven_worker.uneven_checks` (uneven splits, in the same job so
 that they pay for no spawn of their own), and (on 2 ranks) the combine choice of a stack without an
 expert-parallel group (:func:`choice_on_ranks`), to ``out_dir/rank{r}.pt``.
@@ -32,7 +34,7 @@ from remat_compiler.moe import MoEStack
 import moe_uneven_worker
 
 __all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
-           "plan_figures", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
+           "plan_figures", "combines", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
 
 # two residual MoE layers; capacity_factor 2.0 = E / top_k: nothing is dropped
 CONFIG = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, tokens=32)
@@ -95,11 +97,22 @@ def compile_strategies(group, x, g, strategies=STRATEGIES) -> dict:
 
 
 def plan_figures(module) -> dict:
-    """A compiled module's plan in numbers: communication, saved and peak bytes, budget."""
+    """A compiled module's plan in numbers: communication, saved and peak bytes, budget; and each
+    MoE segment's combine as the plan records it and as this rank's graph traced it."""
     cg, plan = module.planned.cg, module.plan
     return {"recompute_comm_bytes": plan.recompute_comm_bytes, "saved_bytes": plan.saved_bytes,
             "fw_comm_bytes": sum(cg.attr(n, "comm_bytes") for n in cg.fw_order),
-            "peak_bytes": plan.peak_bytes, "budget_bytes": plan.budget_bytes}
+            "peak_bytes": plan.peak_bytes, "budget_bytes": plan.budget_bytes,
+            "combine": combines(module)}
+
+
+def combines(module) -> dict:
+    """``{segment: (mode, why, mode as this rank traced it)}`` of a compiled module's plan."""
+    from remat_compiler.plan import moe_combine_of
+
+    traced = moe_combine_of(module.planned.cg)
+    return {seg: (c["mode"], c.get("why", ""), traced[seg]["mode"])
+            for seg, c in module.plan.extras.get("moe_combine", {}).items()}
 
 
 def all_to_all_roles(cg) -> dict:
@@ -173,7 +186,7 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
              if getattr(n.target, "__name__", "").startswith("wait_tensor")]
     released = [n.next.target is remat_compiler.collectives.release_collective_inputs for n in waits]
     return {"peaks": peaks[1:], "predicted": compiled.plan.peak_bytes, "waits": len(waits),
-            "released": all(released)}
+            "released": all(released), "budget": compiled.plan.budget_bytes, "combine": combines(compiled)}
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:

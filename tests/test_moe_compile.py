@@ -229,6 +229,17 @@ def _assert_choice_on_ranks(ranks):
         assert c["peak"] == c["predicted"] <= c["budget"], (r, c["peak"], c["predicted"], c["budget"])
 
 
+def _assert_chosen(*combines, label: str) -> None:
+    """Every segment of each plan's ``{segment: (mode, why, traced mode)}`` (the stack's layers, under
+    ``inner.`` where the loss wraps it) was chosen in the one CP-SAT solve, and its graph traced the
+    mode chosen."""
+    for combine in combines:
+        layers = sorted(seg.removeprefix("inner.") for seg in combine)
+        assert layers == [f"layers.{i}" for i in range(CFG["num_layers"])], (label, combine)
+        for seg, (mode, why, traced) in combine.items():
+            assert "chosen in the one CP-SAT solve" in why and mode == traced, (label, seg, mode, why, traced)
+
+
 def test_expert_parallel_strategies(ep_ranks):
     world, ranks = ep_ranks
     if world == 2:  # the combine choice on several ranks: in the 2-rank job only (the suite's time)
@@ -265,6 +276,10 @@ def test_expert_parallel_strategies(ep_ranks):
         cp = plans["cpsat"]
         assert plans["moe_origin"]["peak_bytes"] < cp["budget_bytes"] < plans["moe_fast"]["peak_bytes"]
         assert cp["peak_bytes"] <= cp["budget_bytes"]
+        # the default solver chose each expert-parallel layer's combine in its one solve (rank 0), and
+        # every rank traced those combines (the digests above: the same plan)
+        _assert_chosen(cp["combine"], res["measured"]["combine"], label=f"rank {r}")
+        assert cp["combine"] == ranks[0]["plans"]["cpsat"]["combine"]
         # every step measures the predicted peak: a collective's inputs are released at a planned
         # point (after its wait), not whenever gloo's worker thread lets go of its work
         m = res["measured"]
@@ -273,7 +288,7 @@ def test_expert_parallel_strategies(ep_ranks):
         # one rank measures 18,816 bytes more (cause not found: the collective inputs are released
         # by then); never less, and never more than that.
         peaks = m["peaks"]
-        assert sorted(peaks)[len(peaks) // 2] == m["predicted"], (r, m)
+        assert sorted(peaks)[len(peaks) // 2] == m["predicted"] <= m["budget"], (r, m)
         assert all(m["predicted"] <= p <= m["predicted"] + 32 * 1024 for p in peaks), (r, m)
 
 
@@ -300,6 +315,10 @@ def test_expert_parallel_uneven_splits(ep_ranks):
         plans = results[0]["plans"][name]
         assert all(u["plans"][name] == plans for u in results)
         assert [d for d, _ in plans] == [plans[0][0]] * world and len({j for _, j in plans}) == 1
+        if name == "cpsat":  # the default solver chose each layer's combine on rank 0, for every rank
+            combine = json.loads(plans[0][1])["extras"]["moe_combine"]
+            assert sorted(combine) == ["inner.layers.0", "inner.layers.1"]
+            assert all("chosen in the one CP-SAT solve" in c["why"] for c in combine.values()), combine
         if spec["combine"] == "fused":  # moe_origin sends the routed rows again in backward, and pays for it
             plan = json.loads(plans[0][1])
             again = {v["op"] for v in plan["values"] if v["decision"] == "recomputed"}
