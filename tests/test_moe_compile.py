@@ -240,10 +240,30 @@ def _assert_chosen(*combines, label: str) -> None:
             assert "chosen in the one CP-SAT solve" in why and mode == traced, (label, seg, mode, why, traced)
 
 
+def _assert_union_collectives(union: dict) -> None:
+    """The two combines' backward pieces of each expert-parallel layer (equal and uneven splits)
+    hold different collectives, each in its own piece: the autograd piece sends dL/dy back through
+    the all-to-all that reverses the combine; the fused piece sends G the same bytes and the
+    probabilities and dL/dp in two small ones (one scalar a row), so the choice model charges it
+    more. Outside the pieces the collectives pair op for op, in the same order."""
+    for kind, found in union.items():
+        assert sorted(found["pieces"]) == sorted(found["units"]) and len(found["pieces"]) == 2, kind
+        for seg, both in found["pieces"].items():
+            auto, fused = both["autograd"], both["fused"]
+            assert len(auto) == 1 and len(fused) == 3, (kind, seg, both)
+            assert fused[0] == auto[0], (kind, seg, both)
+            assert all(op == auto[0][0] and 0 < size < auto[0][1] / 4 for op, size in fused[1:]), (kind, seg, both)
+            units = found["units"][seg]
+            assert units["fused"] > units["autograd"] > 0, (kind, seg, units)
+        assert len(found["shared"]) >= 2 and all(a == f for a, f in found["shared"]), (kind, found["shared"])
+
+
 def test_expert_parallel_strategies(ep_ranks):
     world, ranks = ep_ranks
     if world == 2:  # the combine choice on several ranks: in the 2-rank job only (the suite's time)
         _assert_choice_on_ranks(ranks)
+        for res in ranks:
+            _assert_union_collectives(res["union"])
     for r, res in enumerate(ranks):
         # each rank's compiled step equals its eager step, for every strategy
         assert set(res["compiled"]) == {*(HAND_PICKED if world == 2 else worker.FOUR_RANK_STRATEGIES), "cpsat"}
