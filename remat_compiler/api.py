@@ -52,7 +52,7 @@ from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, 
                                   trace_step, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
-           "PlannedGraph", "chooses_combines", "choose_combines", "CHOICE_OPTIONS"]
+           "PlannedGraph", "chooses_combines", "choose_combines", "explain_unchosen", "CHOICE_OPTIONS"]
 
 
 @dataclass(frozen=True)
@@ -260,22 +260,46 @@ def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
 
     It does for the default ``solver="cpsat"`` (options among :data:`CHOICE_OPTIONS`, no policy, no
     given plan), on one process or several (rank 0 chooses, :func:`choose_combines`), when the
-    model has a segment whose combine can be chosen and every
-    :class:`~remat_compiler.moe.MoELayer` of it can
-    (:func:`~remat_compiler.moe.segments.why_not_choosable`: the default ``combine="autograd"``,
-    equal splits, no expert-parallel group). Transformers MoE blocks (Mixtral's, OLMoE's,
-    Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's) are choices where their experts can run the fused
-    combine (:func:`~remat_compiler.moe.hf.why_not_fusable`); a block whose experts cannot is no
-    choice: it keeps the autograd combine, and the others are still chosen for. A user's
-    ``combine="fused"``, another solver (``moe_cpsat`` plans the fused combine everywhere) or any
-    other case plans the graph as the model traces it, as before.
+    model has a segment whose combine can be chosen
+    (:func:`~remat_compiler.moe.segments.why_not_choosable`): an
+    :class:`~remat_compiler.moe.MoELayer` with the default ``combine="autograd"``, expert-parallel
+    or not, with equal or uneven splits; a transformers MoE block (Mixtral's, OLMoE's, Qwen2-MoE's,
+    Qwen3-MoE's, DeepSeek-V3's) whose experts can run the fused combine
+    (:func:`~remat_compiler.moe.hf.why_not_fusable`). The other segments are no choice: each keeps
+    its combine (a user's ``combine="fused"`` MoELayer stays fused, a block whose experts cannot
+    run it autograd) and the plan says why, while the others are still chosen for. Another solver
+    (``moe_cpsat`` plans the fused combine everywhere), a policy, a given plan or another option
+    plans the graph as the model traces it, as before (:func:`explain_unchosen` says why where
+    the default solver meets a model none of whose segments is a choice).
     """
-    if spec.strategy is not SOLVERS["cpsat"] or spec.plan is not None \
-            or spec.policy is not None or set(spec.options) - CHOICE_OPTIONS - {"progress"}:
-        return False
-    layers = {path for path, m in model.named_modules() if isinstance(m, MoELayer)}
+    return _choice_applies(spec) and any(w is None for w in why_not_choosable(model).values())
+
+
+def _choice_applies(spec: PlanSpec) -> bool:
+    """Whether ``spec`` is one under which the combines are chosen in the solve (the model aside)."""
+    return spec.strategy is SOLVERS["cpsat"] and spec.plan is None and spec.policy is None \
+        and not set(spec.options) - CHOICE_OPTIONS - {"progress"}
+
+
+def explain_unchosen(spec: PlanSpec, model: torch.nn.Module) -> PlanSpec:
+    """``spec``, whose plans record per MoE segment why its combine was no choice
+    (``extras["moe_combine"][seg]["why"]``, which explain() prints), where the default solver would
+    choose combines but no segment of ``model`` is a choice (every MoELayer built with
+    ``combine="fused"``, say); else ``spec`` itself.
+
+    Parameters
+    ----------
+    spec : PlanSpec
+    model : torch.nn.Module
+
+    Returns
+    -------
+    PlanSpec
+    """
     why = why_not_choosable(model)
-    return any(w is None for w in why.values()) and all(why[p] is None for p in layers)
+    if not _choice_applies(spec) or not why or any(w is None for w in why.values()):
+        return spec
+    return _as_is(spec, {seg: f"no choice: {w}" for seg, w in why.items()})
 
 
 # why a segment that could be chosen for was not: its fused combine did not run when traced
@@ -342,17 +366,18 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
     return dataclasses.replace(spec, budget=budget, strategy=strategy, options={}, plan_cache=None)
 
 
-def _as_is(spec: PlanSpec, why: dict[str, str]) -> PlanSpec:
-    """``spec``, planning the model as it is (every segment's combine autograd), whose plans record
-    why each segment was not chosen for (``why``, by segment, into ``extras["moe_combine"][seg]["why"]``,
-    which explain() prints)."""
+def _as_is(spec: PlanSpec, why: str | Mapping[str, str]) -> PlanSpec:
+    """``spec``, planning the model as it is (every segment's combine as the model traces it),
+    whose plans record why each segment was not chosen for (``extras["moe_combine"][seg]["why"]``,
+    which explain() prints): one reason for all, or one per segment."""
     inner = spec.strategy
 
     def solve(cg: CostGraph, budget_bytes: int | None, **options) -> Plan:
         plan = inner.solve(cg, budget_bytes, **options)
         for seg, c in plan.extras.get("moe_combine", {}).items():
-            if seg in why:
-                c.setdefault("why", why[seg])
+            reason = why if isinstance(why, str) else why.get(seg)
+            if reason is not None:
+                c.setdefault("why", reason)
         return plan
     return dataclasses.replace(spec, strategy=dataclasses.replace(inner, solve=solve))
 
@@ -424,7 +449,8 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
                     ("plan", budget_bytes, cached.to_json()))
         store = lambda plan: spec.plan_cache.store(key, plan, fields)  # noqa: E731
     graphs["fused"] = traced_with({p: "fused" for p in choices})
-    if all(c["mode"] == "autograd" for c in moe_combine_of(graphs["fused"]).values()):
+    fused_as_traced = moe_combine_of(graphs["fused"])
+    if all(fused_as_traced.get(p, {}).get("mode") != "fused" for p in choices):
         return _as_is(spec, {seg: f"no choice: {why_not.get(seg) or _UNFUSED}" for seg in segments}), ("as is",)
     union = align_combines(graphs["autograd"], graphs["fused"])
     # the choice's clock, then any fallback's (what is left of the call's, where time_limit_s bounds it)
@@ -440,7 +466,8 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         cg = traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]})
         sim = simulate(cg, build_schedule(cg, choice.saved))
         flipped[seg], flipped_s[seg] = sim.peak_bytes, sim.recompute_s
-    modes = {seg: choice.modes.get(seg, "autograd") for seg in segments}  # every segment the graph has
+    # every segment the graph has: the no-choice ones keep their combine as the model traces it
+    modes = {seg: choice.modes.get(seg, segments[seg]["mode"]) for seg in segments}
     strategy = chosen_combines(modes, choice.saved, status=choice.status, gap=choice.gap,
                                solve_time_s=choice.solve_time_s, model_peak_bytes=choice.model_peak_bytes,
                                flipped_peak_bytes=flipped, flipped_recompute_s=flipped_s, on_plan=store,
@@ -527,6 +554,8 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
             spec = choose_combines(spec, model, lambda: trace_for_planning(
                 model, args, kwargs, hold_outputs=hold_outputs, device=_plans_for(device, cost_model),
                 stamp_layers=stamp_layers))
+    else:
+        spec = explain_unchosen(spec, model)
     with _timed(spent, "trace"), spec.prepared(model):
         traced = trace_for_planning(model, args, kwargs, hold_outputs=hold_outputs,
                                     device=_plans_for(device, cost_model), stamp_layers=stamp_layers)
@@ -725,6 +754,8 @@ class CompiledModule(torch.nn.Module):
         if chooses_combines(spec, self._orig_mod):
             spec = choose_combines(spec, self._orig_mod,
                                    lambda: trace_step(entry.step, self._orig_mod, entry.example))
+        else:
+            spec = explain_unchosen(spec, self._orig_mod)
         entry.fn = aot_step(entry.step, self._partition(entry, spec))
         with spec.prepared(self._orig_mod):
             return run_traced(entry.fn, self._orig_mod, inputs)

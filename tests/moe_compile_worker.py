@@ -5,7 +5,10 @@ its rows of one global token batch, runs the step eagerly, then compiles a fresh
 strategy and runs it once. It saves eager and compiled outputs and gradients, each plan's digest
 (and every rank's digests, all-gathered), the plans' communication figures, the roles of the
 all-to-all nodes, (on 2 ranks) the recompute time of ``moe_origin`` under two link bandwidths, and
-the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module, and
+the measured peaks of several steps of a CP-SAT plan with the loss inside the compiled module (both
+CP-SAT compiles are the default solver's, which chooses each expert-parallel layer's combine on rank
+0: each plan's combines and why are saved too), (on 2 ranks) the collectives of both combines'
+backward pieces as the choice aligns them (:func:`union_collectives`), and
 the dropless checks of :func:`moe_uneven_worker.uneven_checks` (uneven splits, in the same job so
 that they pay for no spawn of their own), and (on 2 ranks) the combine choice of a stack without an
 expert-parallel group (:func:`choice_on_ranks`), to ``out_dir/rank{r}.pt``.
@@ -32,7 +35,7 @@ from remat_compiler.moe import MoEStack
 import moe_uneven_worker
 
 __all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
-           "plan_figures", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
+           "plan_figures", "combines", "union_collectives", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
 
 # two residual MoE layers; capacity_factor 2.0 = E / top_k: nothing is dropped
 CONFIG = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, tokens=32)
@@ -95,11 +98,22 @@ def compile_strategies(group, x, g, strategies=STRATEGIES) -> dict:
 
 
 def plan_figures(module) -> dict:
-    """A compiled module's plan in numbers: communication, saved and peak bytes, budget."""
+    """A compiled module's plan in numbers: communication, saved and peak bytes, budget; and each
+    MoE segment's combine as the plan records it and as this rank's graph traced it."""
     cg, plan = module.planned.cg, module.plan
     return {"recompute_comm_bytes": plan.recompute_comm_bytes, "saved_bytes": plan.saved_bytes,
             "fw_comm_bytes": sum(cg.attr(n, "comm_bytes") for n in cg.fw_order),
-            "peak_bytes": plan.peak_bytes, "budget_bytes": plan.budget_bytes}
+            "peak_bytes": plan.peak_bytes, "budget_bytes": plan.budget_bytes,
+            "combine": combines(module)}
+
+
+def combines(module) -> dict:
+    """``{segment: (mode, why, mode as this rank traced it)}`` of a compiled module's plan."""
+    from remat_compiler.plan import moe_combine_of
+
+    traced = moe_combine_of(module.planned.cg)
+    return {seg: (c["mode"], c.get("why", ""), traced[seg]["mode"])
+            for seg, c in module.plan.extras.get("moe_combine", {}).items()}
 
 
 def all_to_all_roles(cg) -> dict:
@@ -153,6 +167,33 @@ def choice_on_ranks(x, g) -> dict:
             "budget": plan.budget_bytes}
 
 
+def union_collectives(model, x) -> dict:
+    """The collectives of the two combines' graphs of ``model`` as :func:`align_combines` pairs
+    them: per segment and mode, its backward piece's ``(op, comm_bytes)`` and what the choice model
+    charges for them (:func:`piece_comm_units`); the shared backward's collectives, in order, as
+    ``(op, comm_bytes)`` pairs of the autograd and fused graphs."""
+    from remat_compiler.api import analyze
+    from remat_compiler.moe.segments import segment_combines, why_not_choosable
+    from remat_compiler.solvers.combine_choice import align_combines
+    from remat_compiler.solvers.cpsat.choice import piece_comm_units
+
+    x = x.detach().clone().requires_grad_(True)
+    graphs = {}
+    for mode in ("autograd", "fused"):
+        with segment_combines(model, {seg: mode for seg in why_not_choosable(model)}):
+            graphs[mode] = analyze(model, (x,))[1]
+    union = align_combines(graphs["autograd"], graphs["fused"])
+
+    def comm(cg, n):
+        return (cg.attr(n, "op"), cg.attr(n, "comm_bytes"))
+    pieces = {seg: {mode: [comm(union.graphs[mode], n) for n in piece.nodes
+                           if union.graphs[mode].attr(n, "comm_bytes") > 0] for mode, piece in both.items()}
+              for seg, both in union.pieces.items()}
+    shared = [(comm(graphs["autograd"], a), comm(graphs["fused"], f)) for a, f in union.shared
+              if graphs["autograd"].attr(a, "comm_bytes") > 0 or graphs["fused"].attr(f, "comm_bytes") > 0]
+    return {"pieces": pieces, "units": piece_comm_units(union), "shared": shared}
+
+
 def measured_against_plan(group, x, steps: int = 6) -> dict:
     """A CP-SAT plan of the stack with its loss: measured peak of several steps, the predicted peak,
     and whether every collective's wait in the emitted graphs is followed by the release of its inputs."""
@@ -173,7 +214,7 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
              if getattr(n.target, "__name__", "").startswith("wait_tensor")]
     released = [n.next.target is remat_compiler.collectives.release_collective_inputs for n in waits]
     return {"peaks": peaks[1:], "predicted": compiled.plan.peak_bytes, "waits": len(waits),
-            "released": all(released)}
+            "released": all(released), "budget": compiled.plan.budget_bytes, "combine": combines(compiled)}
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -198,7 +239,11 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                     "link": origin_cost_per_link(group, x) if world == 2 else {},
                     "measured": measured_against_plan(group, x),
                     "uneven": moe_uneven_worker.uneven_checks(group, world, rank),
-                    "choice": choice_on_ranks(x, g) if world == 2 else None},
+                    "choice": choice_on_ranks(x, g) if world == 2 else None,
+                    "union": {"equal": union_collectives(make_model(group), x),
+                              "uneven": union_collectives(moe_uneven_worker.make_model(group),
+                                                          moe_uneven_worker.make_tokens("skewed", world, rank))}
+                    if world == 2 else None},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

@@ -35,7 +35,8 @@ SMALL_FACTOR = FULL_FACTOR * 7 / 8
 ROUTER_BIAS = (3.0, 2.0, 1.0, 0.0, -1.0, -1.0, -1.0, -1.0)  # router weight on feature 0, by expert
 ROUTINGS = {"random": None, "skewed": 0.75, "one_rank": 10.0}  # feature 0: as drawn, shifted, set
 # What is compiled: name -> (model: make_model's arguments, compile's arguments); budgets are fractions
-# of the no-recompute peak. CP-SAT on two layers too small for the one_rank routing, which must raise;
+# of the no-recompute peak. "cpsat" is the default solver, which chooses each layer's combine on rank 0.
+# CP-SAT on two layers too small for the one_rank routing, which must raise;
 # moe_origin (its budget checked, not optimised for: one layer's peak is in its backward) with the fused
 # combine, on one layer that one_rank fills exactly: it recomputes the dispatch in backward, the counts'
 # all-gather, the route and the uneven all-to-all, and the fused backward runs three more of them.

@@ -307,6 +307,29 @@ def test_other_solvers_and_a_fused_model_plan_as_before(x):
         plan = remat_compiler.plan_model(model, (x,), time_limit_s=5).plan
     assert set(_modes(plan).values()) == {"fused"}
     assert "chosen in the one CP-SAT solve" not in plan.explain()
+    # ... and says why, per segment
+    for seg, c in plan.extras["moe_combine"].items():
+        assert c["why"] == "no choice: its combine='fused' is the user's", (seg, c)
+        line = next(ln for ln in plan.explain().splitlines() if f"{seg}: fused:" in ln)
+        assert line.endswith("; no choice: its combine='fused' is the user's"), line
+
+
+def test_a_users_fused_layer_is_kept_and_the_others_chosen(x):
+    """Layer 0 built fused by its user, layer 1 left at the default: the default compile keeps layer
+    0's combine (no choice, saying why) and still chooses layer 1's in its one solve; the step
+    equals the same model run eagerly and measures the predicted peak."""
+    module = remat_compiler.compile(mixed_model(), time_limit_s=10)
+    assert_same(run_step(module, x), run_step(mixed_model(), x), "user-fused layer 0")
+    assert_exact(module, x, "user-fused layer 0")
+    combine = module.plan.extras["moe_combine"]
+    assert combine["inner.layers.0"]["mode"] == "fused"
+    assert combine["inner.layers.0"]["why"] == "no choice: its combine='fused' is the user's"
+    assert "chosen in the one CP-SAT solve" in combine["inner.layers.1"]["why"]
+    assert moe_combine_of(module.planned.cg) == {s: {k: c[k] for k in ("mode", "y_bytes")} for s, c in combine.items()}
+    lines = module.plan.explain().splitlines()
+    for seg, c in combine.items():
+        line = next(ln for ln in lines if f"{seg}: {c['mode']}:" in ln)
+        assert line.endswith(f"; {c['why']}"), line
 
 
 def test_a_budget_no_choice_meets_falls_back_to_the_model_as_it_is(x):

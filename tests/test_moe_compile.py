@@ -229,10 +229,41 @@ def _assert_choice_on_ranks(ranks):
         assert c["peak"] == c["predicted"] <= c["budget"], (r, c["peak"], c["predicted"], c["budget"])
 
 
+def _assert_chosen(*combines, label: str) -> None:
+    """Every segment of each plan's ``{segment: (mode, why, traced mode)}`` (the stack's layers, under
+    ``inner.`` where the loss wraps it) was chosen in the one CP-SAT solve, and its graph traced the
+    mode chosen."""
+    for combine in combines:
+        layers = sorted(seg.removeprefix("inner.") for seg in combine)
+        assert layers == [f"layers.{i}" for i in range(CFG["num_layers"])], (label, combine)
+        for seg, (mode, why, traced) in combine.items():
+            assert "chosen in the one CP-SAT solve" in why and mode == traced, (label, seg, mode, why, traced)
+
+
+def _assert_union_collectives(union: dict) -> None:
+    """The two combines' backward pieces of each expert-parallel layer (equal and uneven splits)
+    hold different collectives, each in its own piece: the autograd piece sends dL/dy back through
+    the all-to-all that reverses the combine; the fused piece sends G the same bytes and the
+    probabilities and dL/dp in two small ones (one scalar a row), so the choice model charges it
+    more. Outside the pieces the collectives pair op for op, in the same order."""
+    for kind, found in union.items():
+        assert sorted(found["pieces"]) == sorted(found["units"]) and len(found["pieces"]) == 2, kind
+        for seg, both in found["pieces"].items():
+            auto, fused = both["autograd"], both["fused"]
+            assert len(auto) == 1 and len(fused) == 3, (kind, seg, both)
+            assert fused[0] == auto[0], (kind, seg, both)
+            assert all(op == auto[0][0] and 0 < size < auto[0][1] / 4 for op, size in fused[1:]), (kind, seg, both)
+            units = found["units"][seg]
+            assert units["fused"] > units["autograd"] > 0, (kind, seg, units)
+        assert len(found["shared"]) >= 2 and all(a == f for a, f in found["shared"]), (kind, found["shared"])
+
+
 def test_expert_parallel_strategies(ep_ranks):
     world, ranks = ep_ranks
     if world == 2:  # the combine choice on several ranks: in the 2-rank job only (the suite's time)
         _assert_choice_on_ranks(ranks)
+        for res in ranks:
+            _assert_union_collectives(res["union"])
     for r, res in enumerate(ranks):
         # each rank's compiled step equals its eager step, for every strategy
         assert set(res["compiled"]) == {*(HAND_PICKED if world == 2 else worker.FOUR_RANK_STRATEGIES), "cpsat"}
@@ -265,6 +296,10 @@ def test_expert_parallel_strategies(ep_ranks):
         cp = plans["cpsat"]
         assert plans["moe_origin"]["peak_bytes"] < cp["budget_bytes"] < plans["moe_fast"]["peak_bytes"]
         assert cp["peak_bytes"] <= cp["budget_bytes"]
+        # the default solver chose each expert-parallel layer's combine in its one solve (rank 0), and
+        # every rank traced those combines (the digests above: the same plan)
+        _assert_chosen(cp["combine"], res["measured"]["combine"], label=f"rank {r}")
+        assert cp["combine"] == ranks[0]["plans"]["cpsat"]["combine"]
         # every step measures the predicted peak: a collective's inputs are released at a planned
         # point (after its wait), not whenever gloo's worker thread lets go of its work
         m = res["measured"]
@@ -273,7 +308,7 @@ def test_expert_parallel_strategies(ep_ranks):
         # one rank measures 18,816 bytes more (cause not found: the collective inputs are released
         # by then); never less, and never more than that.
         peaks = m["peaks"]
-        assert sorted(peaks)[len(peaks) // 2] == m["predicted"], (r, m)
+        assert sorted(peaks)[len(peaks) // 2] == m["predicted"] <= m["budget"], (r, m)
         assert all(m["predicted"] <= p <= m["predicted"] + 32 * 1024 for p in peaks), (r, m)
 
 
@@ -300,6 +335,10 @@ def test_expert_parallel_uneven_splits(ep_ranks):
         plans = results[0]["plans"][name]
         assert all(u["plans"][name] == plans for u in results)
         assert [d for d, _ in plans] == [plans[0][0]] * world and len({j for _, j in plans}) == 1
+        if name == "cpsat":  # the default solver chose each layer's combine on rank 0, for every rank
+            combine = json.loads(plans[0][1])["extras"]["moe_combine"]
+            assert sorted(combine) == ["inner.layers.0", "inner.layers.1"]
+            assert all("chosen in the one CP-SAT solve" in c["why"] for c in combine.values()), combine
         if spec["combine"] == "fused":  # moe_origin sends the routed rows again in backward, and pays for it
             plan = json.loads(plans[0][1])
             again = {v["op"] for v in plan["values"] if v["decision"] == "recomputed"}

@@ -140,7 +140,9 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 def all_to_all_nograd(x: torch.Tensor, group) -> torch.Tensor:
     """Equal-split all-to-all along dim 0 without autograd, for use inside a custom backward.
 
-    Issues ``all_to_all_single`` followed by an explicit ``wait_tensor``.
+    Issues ``all_to_all_single`` and waits for it: traced, the same ``all_to_all_single`` and one
+    ``wait_tensor`` node as :func:`all_to_all` records (a second, explicit wait would make the
+    forward of the fused combine differ from the autograd one's by a node).
 
     Parameters
     ----------
@@ -163,10 +165,8 @@ def all_to_all_nograd(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     _check_divisible(x, world)
-    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
-    if isinstance(out, funcol.AsyncCollectiveTensor):
-        return out.wait()
-    return funcol.wait_tensor(out)
+    # funcol waits itself while tracing (one wait_tensor node, as the autograd all_to_all's)
+    return _unwrap(funcol.all_to_all_single(x.contiguous(), None, None, group))
 
 
 def token_to_expert(buf: torch.Tensor, group, *, differentiable: bool = True) -> torch.Tensor:

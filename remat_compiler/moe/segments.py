@@ -31,18 +31,20 @@ def why_not_choosable(model: torch.nn.Module) -> dict[str, str | None]:
     """Per MoE segment of ``model`` (module path), why its combine cannot be chosen per segment, or
     None where it can.
 
-    An MoELayer can with the default ``combine="autograd"``, equal splits and no expert-parallel
-    group (a user's ``combine="fused"`` is kept; the choice for expert-parallel layers is not
-    built); a
-    transformers block can where its experts can run the fused combine
+    An MoELayer can with the default ``combine="autograd"``, with or without an expert-parallel
+    group, equal or uneven splits (its two combines' backwards differ in their collectives too:
+    the choice's solve charges each piece's communication); a user's ``combine="fused"`` is kept.
+    A transformers block can where its experts can run the fused combine
     (:func:`~remat_compiler.moe.hf.why_not_fusable`).
+
+    Returns
+    -------
+    dict of str to str or None
     """
     found: dict[str, str | None] = {}
     for path, m in model.named_modules():
         if isinstance(m, MoELayer):
-            found[path] = ("its combine='fused' is the user's" if m.combine_mode != "autograd"
-                           else f"splits={m.splits!r}" if m.splits != "equal"
-                           else "it is expert-parallel" if m.num_local_experts != m.num_experts else None)
+            found[path] = "its combine='fused' is the user's" if m.combine_mode != "autograd" else None
     for path, block in hf_blocks(model).items():
         why = why_not_fusable(block.experts)
         found[path] = None if why is None else f"its experts cannot run the fused combine: {why}"

@@ -149,7 +149,8 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
     ----------
     modes : dict of str to str
         Each segment's combine: every segment of the graph, those that were no choice
-        (``not_chosen``) ``"autograd"``.
+        (``not_chosen``) with the combine the model traces them with (``"fused"`` for a user's
+        ``combine="fused"`` MoELayer, else ``"autograd"``).
     saved : iterable of str
         The saved forward values.
     status, gap, solve_time_s, model_peak_bytes :
@@ -168,7 +169,7 @@ def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: 
         (``extras["fraction_base_bytes"]``) so that applying it under the same fraction resolves
         the same budget (:func:`remat_compiler.api.decide`).
     not_chosen : dict of str to str, optional
-        The segments that were no choice (they keep the autograd combine), with why:
+        The segments that were no choice (they keep their combine), with why:
         ``plan.explain()`` says it.
     on_plan : callable, optional
         Called with the plan once it is made (a plan cache stores it).

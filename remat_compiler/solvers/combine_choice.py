@@ -17,8 +17,16 @@ ops, shapes), and a backward that, outside the pieces, is the same sequence of o
 node. It returns the :class:`CombineUnion`: per segment, each piece's nodes, what it reads (the
 backward values upstream, the forward values, with the step it reads them at) and which of its nodes
 the rest of the backward reads in place of the other piece's. Segments left unfused in the fused
-graph (an HF block whose experts cannot run the fused combine) are no choice: their backward is
-shared.
+graph (an HF block whose experts cannot run the fused combine), and segments fused in both (an
+MoELayer the user built with ``combine="fused"``), are no choice: their backward is shared.
+
+Under expert parallelism the two pieces hold different collectives: the autograd piece sends
+``dL/dy`` through the all-to-all that reverses the combine; the fused piece sends ``G`` through it,
+the probabilities along in a small all-to-all and ``dL/dp`` back in another (the uneven
+``remat::all_to_all_uneven`` op with a route). The collectives are backward nodes of the piece, so
+they are never recomputed, and the graph a choice materialises runs each of them once, in its
+piece's place: every rank runs rank 0's choice, so every rank issues the same collectives in the same
+order. Outside the pieces the collectives are shared, op for op.
 
 :meth:`CombineUnion.materialise` splices, for a choice of mode per segment, the chosen pieces between
 the shared nodes: it is the backward op sequence of the graph traced with those modes
@@ -173,7 +181,9 @@ def _fused_segments(cg: CostGraph) -> dict[str, tuple[str, bool]]:
 
 
 def _check_forward(cg_a: CostGraph, cg_f: CostGraph) -> list[str]:
-    """Check the forwards are the same and each graph is in its mode; the segments to choose for."""
+    """Check the forwards are the same and each graph is in its mode; the segments to choose for
+    (fused in the fused graph alone: one fused in both, a user's ``combine="fused"`` MoELayer, is
+    no choice, its backward shared)."""
     if cg_a.fw_order != cg_f.fw_order:
         raise ValueError("the two combines' graphs have different forward nodes; trace the same model "
                          "and inputs with segment_combines(model, ...) each segment 'autograd', then "
@@ -184,12 +194,12 @@ def _check_forward(cg_a: CostGraph, cg_f: CostGraph) -> list[str]:
                 raise ValueError(f"forward node {n!r} differs between the two combines' graphs in its "
                                  f"{key}: {cg_a.attr(n, key)!r} against {cg_f.attr(n, key)!r}")
     auto, fused = _fused_segments(cg_a), _fused_segments(cg_f)
-    if any(f for _k, f in auto.values()):
-        raise ValueError("the autograd graph was not traced with every MoELayer in combine='autograd' "
-                         "(and every transformers MoE block unfused)")
+    if any(f and not fused.get(seg, ("", False))[1] for seg, (_k, f) in auto.items()):
+        raise ValueError("a segment fused in the autograd graph is unfused in the fused one: trace every "
+                         "segment that is a choice 'autograd', then 'fused'")
     if any(k == "moe_layer" and not f for k, f in fused.values()):
         raise ValueError("the fused graph was not traced with every MoELayer in combine='fused'")
-    return [seg for seg, (_k, f) in fused.items() if f]
+    return [seg for seg, (_k, f) in fused.items() if f and not auto[seg][1]]
 
 
 def _piece(cg: CostGraph, nodes: list[str], shared_key: dict[str, str]) -> Piece:
@@ -231,10 +241,10 @@ def align_combines(cg_autograd: CostGraph, cg_fused: CostGraph) -> CombineUnion:
     Parameters
     ----------
     cg_autograd, cg_fused : CostGraph
-        The same step traced with every segment autograd, and with every segment that is a choice
-        fused (:func:`remat_compiler.moe.segments.segment_combines`): every MoELayer, and the
+        The same step traced with every segment that is a choice autograd, and then fused
+        (:func:`remat_compiler.moe.segments.segment_combines`): every MoELayer, and the
         transformers blocks whose experts can run the fused combine. An HF block left unfused in
-        the fused graph is no choice: its backward is shared.
+        the fused graph, or an MoELayer fused in both, is no choice: its backward is shared.
 
     Returns
     -------

@@ -16,6 +16,10 @@ autograd piece does:
   needed, and its last read and the step it is recomputed at are bounded, only when the piece is
   present (``need``, ``last`` and ``first`` take the read under the piece's literal).
 
+Each piece's own memory is in those intervals, collective buffers included; what its collectives
+cost to run is in the objective (:func:`piece_comm_units`: the chosen piece's above the other's,
+for the fused piece under expert parallelism its two small all-to-alls).
+
 The absent piece's steps then run nothing: what is live across them is live at the next present
 node too, so the cumulative's peak is the simulated peak of the graph traced with the chosen
 combines; the peak variable bounds it, tightly once the peak stage is optimal (``check_plan``
@@ -48,8 +52,8 @@ from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, a
 from remat_compiler.solvers.cpsat.run import make_solver, new_solver, run_solver
 from remat_compiler.solvers.greedy import best_heuristic_set
 
-__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "hint_pure_choice", "solve_choice",
-           "reasons"]
+__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "piece_comm_units", "hint_pure_choice",
+           "solve_choice", "reasons"]
 
 
 @dataclass
@@ -67,7 +71,9 @@ class Choice:
         traced with ``modes``, equal to it when the peak stage is proven optimal (a plan reports
         the simulated one, :attr:`~remat_compiler.plan.Plan.peak_bytes`).
     cost : int
-        The recompute cost, in :func:`~remat_compiler.solvers.cpsat.costs.cost_units`.
+        The recompute cost, with what each segment's chosen backward piece's collectives cost
+        above the other piece's (:func:`piece_comm_units`), in
+        :func:`~remat_compiler.solvers.cpsat.costs.cost_units`.
     status : str
         ``"optimal"`` or ``"feasible"`` (of the recompute cost).
     solve_time_s : float
@@ -280,8 +286,38 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
     m.add_cumulative(intervals, demands, peak)
     costs = {v: cost_units(cg, v, objective) for v in M}
     cost = sum(costs[v] * r[v] for v in M if costs[v] > 0)
+    for seg, units in piece_comm_units(union, objective).items():  # the dearer piece's collectives
+        least = min(units.values())
+        if units["fused"] > least:
+            cost += (units["fused"] - least) * fused[seg]
+        if units["autograd"] > least:
+            cost += (units["autograd"] - least) * (1 - fused[seg])
     m.minimize(cost)  # the least cost; solve_choice then the least peak at it, in a second stage
     return ChoiceModel(m, fused, s, peak, cost, unit, r, need)
+
+
+def piece_comm_units(union: CombineUnion, objective: str = "runtime") -> dict[str, dict[str, int]]:
+    """Per segment and mode, the cost of the collectives its backward piece runs, in
+    :func:`~remat_compiler.solvers.cpsat.costs.cost_units` (the runtime objective: their roofline
+    time, communication at the cost model's link bandwidth).
+
+    Under expert parallelism the pieces hold different collectives (the fused one sends the
+    probabilities to the experts and ``dL/dp`` back besides ``G``), which every rank runs once in
+    backward whatever is saved: the choice model adds, for the piece chosen, what its collectives
+    cost above the other piece's. Without a group both are 0.
+
+    Returns
+    -------
+    dict of str to dict of str to int
+        ``{segment: {"autograd": units, "fused": units}}``.
+    """
+    found = {}
+    for seg, both in union.pieces.items():
+        found[seg] = {}
+        for mode, piece in both.items():
+            g = union.graphs[mode]
+            found[seg][mode] = sum(cost_units(g, n, objective) for n in piece.nodes if g.attr(n, "comm_bytes") > 0)
+    return found
 
 
 def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int, int, object]]:
