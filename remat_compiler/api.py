@@ -305,6 +305,10 @@ def explain_unchosen(spec: PlanSpec, model: torch.nn.Module) -> PlanSpec:
 # why a segment that could be chosen for was not: its fused combine did not run when traced
 _UNFUSED = ("its experts ran transformers' forward unfused when traced (the hidden states' dtype is not "
             "the experts' weights', as under autocast)")
+# explain()'s comparison of each chosen combine with the other traces the step once per segment, after
+# the solve: it gets this share of time_limit_s (at least COMPARE_MIN_S) and the segments past it are
+# not compared (a 32-layer HF MoE model would otherwise trace itself 32 more times)
+COMPARE_SHARE, COMPARE_MIN_S = 0.25, 10.0
 # why every segment kept the autograd combine: the one solve over both found no plan
 _NONE_FOUND = ("not chosen: the one CP-SAT solve over both combines found no plan under the budget in its "
                "time, so the model was planned as it is (reruns and the lowest-peak search apply there); "
@@ -462,7 +466,10 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         why = {seg: f"no choice: {why_not[seg]}" if why_not.get(seg) else _NONE_FOUND for seg in segments}
         return _as_is(dataclasses.replace(spec, options={**spec.options, "deadline": deadline}), why), ("as is",)
     flipped, flipped_s = {}, {}
+    compare = Deadline(max(COMPARE_MIN_S, COMPARE_SHARE * spec.options.get("time_limit_s", 30.0)))
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched
+        if compare.expired():  # one trace each, after the solve: the rest say they were not compared
+            break
         cg = traced_with({**choice.modes, seg: COMBINE_MODES[1 - COMBINE_MODES.index(mode)]})
         sim = simulate(cg, build_schedule(cg, choice.saved))
         flipped[seg], flipped_s[seg] = sim.peak_bytes, sim.recompute_s
@@ -519,7 +526,8 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         :data:`~remat_compiler.clock.MIN_SLICE_S`), so a search solver returns its best plan by
         then; the plan's check and the code emitted for it follow (3.5 s of 61 s on a 7B-shaped
         model), and so do, after a combine choice, the traces with each segment's combine flipped
-        that explain() compares (one each). A plan's ``solve_time_s`` is the solve's own. Without
+        that explain() compares (one each, for at most a quarter of the limit, at least 10 s: the
+        segments past it say they were not compared). A plan's ``solve_time_s`` is the solve's own. Without
         ``time_limit_s``, with ``deterministic=True`` (whose clock is CP-SAT's own time) and for a
         solver that runs on no given clock (``greedy``, a callable), the solver's limit starts
         after the trace.

@@ -502,7 +502,8 @@ def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str
         model's peak variable, which is only a bound unless the solve proved it).
     flipped_peak_bytes : dict of str to int
         Per segment, the simulated step peak of the same saved set with that segment's combine
-        switched to the other one (what it needs then is recomputed; a comparison, not a solve).
+        switched to the other one (what it needs then is recomputed; a comparison, not a solve). A
+        segment it lacks was not compared (said so).
     recompute_s, flipped_recompute_s : optional
         The estimated recompute time of the saved set on the chosen graph and, per segment, on the
         switched one: said too where given (a combine that the peak does not separate is chosen
@@ -511,6 +512,11 @@ def reasons(modes: dict[str, str], peak_bytes: int, flipped_peak_bytes: dict[str
     found = {}
     for seg, mode in modes.items():
         other = "autograd" if mode == "fused" else "fused"
+        if seg not in flipped_peak_bytes:
+            found[seg] = (f"chosen in the one CP-SAT solve with the saved set (step peak {human_bytes(peak_bytes)}); "
+                          f"not compared with the {other} combine here: each comparison traces the step again, "
+                          f"and the time set aside for them was spent")
+            continue
         found[seg] = (f"chosen in the one CP-SAT solve with the saved set: step peak "
                       f"{human_bytes(peak_bytes)}, against {human_bytes(flipped_peak_bytes[seg])} "
                       f"with the {other} combine here and the same saved set")
