@@ -252,7 +252,7 @@ def decide(cg: CostGraph, spec: PlanSpec, *, memo: SolveMemo | None = None) -> t
 
 #: The options of the default solver under which it chooses each MoE segment's combine (``progress``
 #: too: it reports the solve that follows when the choice finds no plan; the choice's own is silent).
-CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective"})
+CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective", "deterministic"})
 
 
 def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
@@ -458,7 +458,8 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         return _as_is(spec, {seg: f"no choice: {why_not.get(seg) or _UNFUSED}" for seg in segments}), ("as is",)
     union = align_combines(graphs["autograd"], graphs["fused"])
     # the choice's clock, then any fallback's (what is left of the call's, where time_limit_s bounds it)
-    deadline = spec.clock() or Deadline(spec.options.get("time_limit_s", 30.0))
+    deadline = spec.clock() or Deadline(spec.options.get("time_limit_s", 30.0),
+                                        deterministic=bool(spec.options.get("deterministic")))
     try:
         choice = solve_choice(union, budget_bytes, **{k: v for k, v in spec.options.items() if k in CHOICE_OPTIONS},
                               deadline=deadline)

@@ -60,7 +60,8 @@ def test_segment_combines_fuses_exactly_the_named_blocks_and_restores():
 def test_chooses_combines_where_an_hf_block_can_fuse():
     model, _, _ = build("mixtral")
     assert chooses_combines(PlanSpec.make(None, "cpsat", dict(OPTIONS)), model)
-    for spec in (PlanSpec.make(None, "moe_cpsat", {}), PlanSpec.make(None, "cpsat", {"deterministic": True}),
+    assert chooses_combines(PlanSpec.make(None, "cpsat", {"deterministic": True, "progress": print}), model)
+    for spec in (PlanSpec.make(None, "moe_cpsat", {}), PlanSpec.make(None, "cpsat", {"minimize_peak": False}),
                  PlanSpec.make(None, "cpsat", {}, policy=rc.policies.save_matmuls)):
         assert not chooses_combines(spec, model), spec
     model.model.set_experts_implementation("batched_mm")  # no block can fuse: planned as it is

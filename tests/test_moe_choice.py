@@ -391,6 +391,16 @@ def test_explains_comparisons_stop_at_their_share_of_the_time_limit(x, monkeypat
         assert c["why"].startswith("chosen in the one CP-SAT solve") and "not compared with the" in c["why"], c
 
 
+def test_a_deterministic_choice_repeats_itself(x):
+    """deterministic=True: the choice runs on CP-SAT's deterministic time (its warm start to the end),
+    so two plannings give the same combines and saved set, whatever the machine's load."""
+    plans = [remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=300_000, time_limit_s=1,
+                                       deterministic=True).plan for _ in range(2)]
+    assert all("chosen in the one CP-SAT solve" in c["why"] for c in plans[0].extras["moe_combine"].values())
+    assert _modes(plans[0]) == _modes(plans[1]) and plans[0].saved == plans[1].saved
+    assert plans[0].peak_bytes <= 300_000
+
+
 def test_a_search_that_finds_nothing_in_time_returns_its_warm_start(union, monkeypatch):
     """The warm start is a whole plan under the budget (the fill solve completes it): when the
     search finds no plan in its time, the choice is that plan, feasible with its gap, and not a
@@ -412,9 +422,14 @@ def test_a_search_that_finds_nothing_in_time_returns_its_warm_start(union, monke
     assert choice.model_peak_bytes <= 300_000
     cg = union.graphs[next(iter(set(choice.modes.values())))]
     assert len(set(choice.modes.values())) == 1 and peak_of(cg, choice.saved) <= 300_000
+    # not even the fill finished: the warm start's own plan, its peak simulated on its graph
     monkeypatch.setattr(choice_module, "run_solver", lambda *a, **k: real(*a, **k) and cp_model.UNKNOWN)
-    with pytest.raises(remat_compiler.InfeasibleBudgetError):  # no warm start either: none found
-        solve_choice(union, 300_000, time_limit_s=1)
+    warm = solve_choice(union, 300_000, time_limit_s=1)
+    (mode,) = set(warm.modes.values())
+    assert warm.status == "feasible" and sorted(warm.modes) == list(SEGMENTS)
+    assert warm.model_peak_bytes == peak_of(union.graphs[mode], warm.saved) <= 300_000
+    with pytest.raises(remat_compiler.InfeasibleBudgetError):  # no warm start fits: none found
+        solve_choice(union, 10_000, time_limit_s=1)
 
 
 @pytest.mark.parametrize("budget", [None, 300_000, 250_000])

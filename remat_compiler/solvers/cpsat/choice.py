@@ -44,16 +44,17 @@ from ortools.sat.python import cp_model
 from remat_compiler.budget import human_bytes
 from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
-from remat_compiler.schedule import bw_time, build_schedule, no_recompute, recomputed_outputs, save_all_set
+from remat_compiler.schedule import (bw_time, build_schedule, no_recompute, recomputed_outputs, save_all_set,
+                                     simulate)
 from remat_compiler.solvers.combine_choice import CombineUnion
 from remat_compiler.solvers.cpsat.costs import cost_units
 from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
                                                 is_const, storage_readers)
-from remat_compiler.solvers.cpsat.run import make_solver, new_solver, run_solver
+from remat_compiler.solvers.cpsat.run import make_solver, run_solver
 from remat_compiler.solvers.greedy import best_heuristic_set
 
-__all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "piece_comm_units", "hint_pure_choice",
-           "solve_choice", "reasons"]
+__all__ = ["Choice", "ChoiceModel", "WarmStart", "union_steps", "build_choice_model", "piece_comm_units",
+           "hint_pure_choice", "solve_choice", "reasons"]
 
 
 @dataclass
@@ -362,28 +363,40 @@ def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int,
     return out
 
 
+@dataclass
+class WarmStart:
+    """The warm start :func:`hint_pure_choice` hinted: one combine for every segment and a saved set
+    of its graph under the budget (a whole plan), and the fill's solver where it completed the hint
+    into a CP-SAT solution (else None)."""
+
+    mode: str
+    saved: list[str]
+    filled: cp_model.CpSolver | None
+
+
 def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | None = None,
-                     deadline: Deadline | None = None) -> tuple[str | None, cp_model.CpSolver | None]:
+                     deadline: Deadline | None = None) -> WarmStart | None:
     """Warm start: hint every segment with the combine whose graph's no-recompute peak is lower and
     a plan of that graph that fits ``budget_bytes`` (the no-recompute plan where it fits, else the
-    greedy heuristics' saved set, :func:`~remat_compiler.solvers.greedy.best_heuristic_set`, in a
-    slice of ``deadline``): every decision (combines, saved,
+    greedy heuristics' saved set, :func:`~remat_compiler.solvers.greedy.best_heuristic_set`, in up
+    to half of ``deadline``): every decision (combines, saved,
     recomputed, needed values), then the times and intervals the decisions determine, filled in by
-    a solve with the decisions fixed (a small slice of ``deadline``), so the hint is a whole
+    a solve with the decisions fixed (half of what is left of ``deadline``), so the hint is a whole
     solution: a search of many workers on few cores otherwise may not complete it, or find any
-    plan, in a short time limit. Returns the combine hinted (None when the heuristics found no plan
-    of it that fits: nothing is hinted), and the fill's solver when it completed the hint (its
-    solution is a whole plan under the budget, which :func:`solve_choice` returns when the search
-    finds none in its time), else None."""
+    plan, in a short time limit. Returns what was hinted (None when the heuristics found no plan
+    that fits: nothing is hinted); :func:`solve_choice` returns it when the search finds no plan in
+    its time."""
     deadline = deadline if deadline is not None else Deadline(1.0)
     peaks = {mode: no_recompute(cg).peak_bytes for mode, cg in union.graphs.items()}
     mode = min(peaks, key=lambda k: (peaks[k], k != "fused"))
     cg = union.graphs[mode]
     saved = save_all_set(cg)
     if budget_bytes is not None and peaks[mode] > budget_bytes:
-        saved, _peak = best_heuristic_set(cg, budget_bytes, deadline=deadline.part(deadline.slice(0.1)))
+        # half the clock at most: without a whole hint, a search of many workers on few cores often
+        # finds no plan at all in a short limit (the heuristics return as soon as they are done)
+        saved, _peak = best_heuristic_set(cg, budget_bytes, deadline=deadline.part(deadline.slice(0.5)))
         if saved is None:
-            return None, None
+            return None
     schedule = build_schedule(cg, saved)
     saved, recomputed = set(schedule.saved), set(schedule.recomputed)
     m = cm.model
@@ -397,21 +410,21 @@ def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | N
     for v, var in (cm.need or {}).items():
         if not is_const(var):
             m.add_hint(var, 1 if v in recomputed or v in saved else 0)
-    fill = new_solver()
-    fill.parameters.num_workers = 1
+    fill = make_solver(deadline.slice(0.5), 1, deadline.deterministic)
     fill.parameters.fix_variables_to_their_hinted_value = True
-    fill.parameters.max_time_in_seconds = deadline.slice(0.1)
+    warm = WarmStart(mode, list(schedule.saved), None)
     if run_solver(fill, m, deadline=deadline) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return mode, None
+        return warm
     m.clear_hints()
     for i, value in enumerate(fill.response_proto.solution):
         m.proto.solution_hint.vars.append(i)
         m.proto.solution_hint.values.append(value)
-    return mode, fill
+    warm.filled = fill
+    return warm
 
 
 def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
-                 num_workers: int | None = None, objective: str = "runtime",
+                 num_workers: int | None = None, objective: str = "runtime", deterministic: bool = False,
                  deadline: Deadline | None = None) -> Choice:
     """Choose every segment's combine and the saved set in one CP-SAT model, solved in two stages
     on one clock: the least recompute cost, then (``cost <= best``, hinted with the first stage's
@@ -426,6 +439,11 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
         Both stages together (ignored with ``deadline``).
     num_workers : int, optional
     objective : "runtime" | "flops"
+    deterministic : bool
+        On CP-SAT's deterministic time (a deterministic ``deadline``'s, else a new one of
+        ``time_limit_s``), as :func:`~remat_compiler.solvers.cpsat.solve_cpsat` takes it: the warm
+        start's heuristics run to their end and the same union and budget give the same choice on
+        every run and machine, whatever its load.
     deadline : Deadline, optional
         The clock to take the stages' time from (default: a new one of ``time_limit_s``).
 
@@ -445,18 +463,21 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
         If CP-SAT calls the model invalid (a bug here, never a budget that does not fit).
     """
     t0 = time.perf_counter()
-    deadline = deadline if deadline is not None else Deadline(time_limit_s)
+    deadline = deadline if deadline is not None else Deadline(time_limit_s, deterministic=deterministic)
+    deterministic = deadline.deterministic
     cm = build_choice_model(union, budget_bytes, objective=objective)
-    _mode, filled = hint_pure_choice(cm, union, budget_bytes, deadline)
-    solver = make_solver(deadline.slice(0.8), num_workers, deterministic=False)
+    warm = hint_pure_choice(cm, union, budget_bytes, deadline)
+    solver = make_solver(deadline.slice(0.8), num_workers, deterministic=deterministic)
     status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.INFEASIBLE or filled is None:
+        if status == cp_model.INFEASIBLE or warm is None:
             raise InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False,
                                         advice="or solver='moe_cpsat' / 'cpsat' on one combine to find the "
                                                "smallest")
+        if warm.filled is None:  # not even the fill finished: the warm start's own plan
+            return _warm_choice(union, cm, warm, objective, time.perf_counter() - t0)
         # no plan found in time: the warm start is a whole plan under the budget, a feasible one
-        bound, solver, status = solver.best_objective_bound, filled, cp_model.FEASIBLE
+        bound, solver, status = solver.best_objective_bound, warm.filled, cp_model.FEASIBLE
     else:
         bound = solver.best_objective_bound
     best = int(solver.value(cm.cost))
@@ -469,7 +490,7 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
             cm.model.proto.solution_hint.vars.append(i)
             cm.model.proto.solution_hint.values.append(value)
         cm.model.minimize(cm.peak)
-        second = make_solver(deadline.slice(), num_workers, deterministic=False)
+        second = make_solver(deadline.slice(), num_workers, deterministic=deterministic)
         if _checked(run_solver(second, cm.model, deadline=deadline), cm.model) in (cp_model.OPTIMAL,
                                                                                       cp_model.FEASIBLE):
             found = second
@@ -477,6 +498,18 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     saved = [v for v, var in cm.saved.items() if found.value(var)]
     return Choice(modes, saved, found.value(cm.peak) * cm.unit_bytes, int(found.value(cm.cost)),
                   "optimal" if status == cp_model.OPTIMAL else "feasible", time.perf_counter() - t0, gap)
+
+
+def _warm_choice(union: CombineUnion, cm: ChoiceModel, warm: WarmStart, objective: str,
+                 solve_time_s: float) -> Choice:
+    """The warm start as the choice, where CP-SAT returned no solution at all in the time: every
+    segment in its combine, its saved set, the simulated peak of that graph (exact), the recompute
+    cost of its plan (the pieces' communication aside), feasible with gap 1 (nothing proven)."""
+    cg = union.graphs[warm.mode]
+    schedule = build_schedule(cg, warm.saved)
+    cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
+    return Choice(dict.fromkeys(cm.fused, warm.mode), list(schedule.saved), simulate(cg, schedule).peak_bytes,
+                  cost, "feasible", solve_time_s, 1.0 if cost else 0.0)
 
 
 def _checked(status: int, model: cp_model.CpModel) -> int:
