@@ -34,7 +34,6 @@ from remat_compiler.codegen import emit
 from remat_compiler.errors import InfeasibleBudgetError, PlanMismatchError
 from remat_compiler.fusion import fusible_recompute
 from remat_compiler.graph import CostGraph
-from remat_compiler.moe.layer import MoELayer
 from remat_compiler.moe.segments import segment_combines, why_not_choosable
 from remat_compiler.plan import Plan, make_plan, moe_combine_of
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
@@ -401,7 +400,8 @@ def _fusing(spec: PlanSpec) -> PlanSpec:
         saved = plan.saved if plan.rerun else fusible_recompute(cg, plan.saved, budget_bytes)
         if len(saved) == len(plan.saved):
             return plan
-        moved = [v for v in plan.saved if v not in set(saved)]
+        kept = set(saved)
+        moved = [v for v in plan.saved if v not in kept]
         return make_plan(cg, saved, budget_bytes=budget_bytes, solver=plan.solver, status=plan.status,
                          gap=plan.gap, solve_time_s=plan.solve_time_s, min_feasible_bytes=plan.min_feasible_bytes,
                          baseline_peak_bytes=plan.baseline_peak_bytes,
