@@ -112,9 +112,9 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
            "checkpoint": {"peak_bytes": ckpt.peak_bytes, "flop_ratio": _flop_ratio(ckpt),
                           "step_s": _step_s(ckpt)},
            "plans": []}
+    left = max(MIN_SLICE_S, limit - trace_s - baselines_s)  # each point planned from the config within the limit
     for frac, label in fractions:
         budget = int(ckpt.peak_bytes + frac * (save_all.peak_bytes - ckpt.peak_bytes))
-        left = max(MIN_SLICE_S, limit - trace_s - baselines_s)  # planned from the config within the limit
         t1 = time.perf_counter()
         plan = remat_compiler.solve(cg, budget, "cpsat", time_limit_s=limit, num_workers=workers,
                                     objective="flops", deadline=Deadline(left))

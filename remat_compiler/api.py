@@ -121,21 +121,15 @@ class PlanSpec:
             plan_cache = PlanCache(plan_cache)
         return cls(parse_budget(memory_budget), strategy, dict(options), policy, cost_model, plan, plan_cache)
 
-    def timed_from(self, started_s: float) -> "PlanSpec":
-        """This spec with its ``time_limit_s`` counted from ``started_s``, for a solver that runs on a
-        given clock (takes ``deadline``; not ``deterministic``, whose clock is CP-SAT's own time);
-        else unchanged."""
-        takes = self.strategy.options is not None and "deadline" in self.strategy.options
-        if not takes or self.options.get("time_limit_s") is None or self.options.get("deterministic"):
-            return self
-        return dataclasses.replace(self, started_s=started_s)
-
     def clock(self) -> Deadline | None:
-        """A solve's clock where the time limit bounds the whole call (:meth:`timed_from`): what is
+        """A solve's clock where the time limit bounds the whole call (``started_s`` set): what is
         left of ``time_limit_s`` since ``started_s`` (:data:`~remat_compiler.clock.MIN_SLICE_S` at
-        least, as every phase gets), else None (the solver makes its own of ``time_limit_s``)."""
+        least, as every phase gets); None (the solver makes its own of ``time_limit_s``) without a
+        start or a limit, for a solver that runs on no given clock (takes no ``deadline``) and with
+        ``deterministic`` (whose clock is CP-SAT's own time)."""
         limit = self.options.get("time_limit_s")
-        if self.started_s is None or limit is None or "deadline" not in (self.strategy.options or ()):
+        if self.started_s is None or limit is None or self.options.get("deterministic") \
+                or "deadline" not in (self.strategy.options or ()):
             return None
         return Deadline(max(MIN_SLICE_S, limit - (time.perf_counter() - self.started_s)))
 
@@ -555,8 +549,9 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     ValueError, InfeasibleBudgetError, UntraceableModelError, PlanMismatchError
     """
     started_s = time.perf_counter()
-    spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model,
-                         plan=plan, plan_cache=plan_cache).timed_from(started_s)
+    spec = dataclasses.replace(PlanSpec.make(memory_budget, solver, solver_options, policy=policy,
+                                             cost_model=cost_model, plan=plan, plan_cache=plan_cache),
+                               started_s=started_s)
     spent: dict[str, float] = {}
     if chooses_combines(spec, model):
         with _timed(spent, "choose combines"):
