@@ -767,12 +767,18 @@ class CompiledModule(torch.nn.Module):
     def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):
         """The Inductor backend's first call: plan, compile, and re-plan under a lower budget while
         Inductor's code peaks above the budget (:mod:`remat_compiler.inductor`); after
-        :data:`INDUCTOR_REPLANS` tries, or when its code cannot be read, run the eager backend's
-        plan instead, with a warning."""
+        :data:`INDUCTOR_REPLANS` re-plans, or when its code cannot be read, run the eager backend's
+        plan instead, with a warning.
+
+        Each re-plan lowers the planning budget by what Inductor's code overshot. Where that lower
+        budget has no plan, the next try plans at the smallest peak the solve found instead (between
+        the infeasible budget and the last one whose code overshot): Inductor's code for the leanest
+        plan can still fit the budget even though the overshoot rule asked for less."""
         from remat_compiler.inductor import (DECOMPOSITIONS, CompiledOverBudget, InductorCompilers,
                                              UnreadableCodeError)
 
         spec, why = _fusing(self._spec), None
+        over_at = None  # the lowest planning budget whose Inductor code peaked above the budget
         for _ in range(INDUCTOR_REPLANS + 1):
             compilers = InductorCompilers(lambda: _inductor_facts(entry.planned, self._spec.budget))
             entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,
@@ -782,19 +788,23 @@ class CompiledModule(torch.nn.Module):
                     out = run_traced(entry.fn, self._orig_mod, inputs)
             except CompiledOverBudget as over:
                 why = str(over)
-                lower = min(over.limit_bytes, over.plan_peak_bytes) - (over.peak.peak_bytes - over.limit_bytes)
-                if lower <= 0:
-                    break
-                spec = dataclasses.replace(spec, budget=parse_budget(int(lower)), plan=None, plan_cache=None)
+                over_at = min(over.limit_bytes, over.plan_peak_bytes)
+                lower = over_at - (over.peak.peak_bytes - over.limit_bytes)
+                spec = dataclasses.replace(spec, budget=parse_budget(max(int(lower), 1)), plan=None,
+                                           plan_cache=None)
                 continue
             except UnreadableCodeError as exc:
                 why = f"its generated code could not be read ({exc})"
                 break
             except InfeasibleBudgetError as exc:
-                if spec is self._spec:
+                if spec is self._spec or over_at is None:
                     raise
                 why = f"a plan under the lower budget it needs does not exist ({exc})"
-                break
+                if exc.min_feasible_bytes >= over_at:
+                    break  # the leanest plan found peaks where a plan's code already overshot
+                spec = dataclasses.replace(spec, budget=parse_budget(exc.min_feasible_bytes), plan=None,
+                                           plan_cache=None)
+                continue
             entry.planned.backend = "inductor"
             entry.planned.compiled = compilers.peak
             entry.planned.inductor = (compilers.fw, compilers.bw)

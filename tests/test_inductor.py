@@ -208,6 +208,35 @@ def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_i
     assert m.planned.backend == "eager" and m.plan.peak_bytes <= budget
 
 
+def test_where_the_lowered_budget_has_no_plan_the_leanest_plan_is_compiled_next(monkeypatch):
+    """Inductor's code for the first plan overshoots by the whole budget, so the overshoot rule asks
+    for a budget of 1 byte, which has no plan; the next try plans at the smallest peak the solve
+    found, and that plan's code fits."""
+    model, x, loss_fn = _mlp_case()
+    budget = 180_000
+    real = inductor.compiled_peak
+    calls, budgets = [], []
+
+    def far_over_on_first_call(*args, **kwargs):
+        peak = real(*args, **kwargs)
+        calls.append(peak.peak_bytes)
+        if len(calls) == 1:
+            peak.record("forward:pretend", 2 * budget)
+        return peak
+    monkeypatch.setattr(inductor, "compiled_peak", far_over_on_first_call)
+    m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        loss_fn(m(x)).backward()
+    assert len(calls) == 2  # the infeasible budget was refused by the solve, before any compile
+    floor = remat_compiler.compile(model, memory_budget=1, backend="inductor", time_limit_s=2)
+    with pytest.raises(remat_compiler.InfeasibleBudgetError) as info:
+        loss_fn(floor(x)).backward()
+    assert m.planned.backend == "inductor"
+    assert m.plan.budget_bytes == info.value.min_feasible_bytes < budget
+    assert m.planned.compiled.peak_bytes <= budget
+
+
 def test_an_unknown_backend_is_refused_naming_the_choices():
     model, _, _ = _mlp_case()
     with pytest.raises(ValueError, match="'eager'.*'inductor'"):
