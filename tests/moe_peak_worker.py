@@ -117,3 +117,23 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def print_table() -> None:
+    """The figures behind issue 16's bound, one row a shape on one process:
+    ``python tests/moe_peak_worker.py``."""
+    print("| shape | moe_fast peak | moe_custom peak | y (all layers) | fast - y | custom - (fast - y) "
+          "| fast's peak at | y live there | custom <= fast - y live |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in SHAPES:
+        res = run_shape(shape)
+        fast, custom = (min(res[n]["measured"]) for n in STRATEGIES)
+        at, y = res["moe_fast"]["peak_at"], y_bytes(shape)
+        label = "L{num_layers} H{hidden_size} F{ffn_hidden_size} top-{top_k}".format(**shape)
+        print(f"| {label} | {fast} | {custom} | {y} | {fast - y} | {custom - (fast - y):+d} "
+              f"| {at['phase']} {at['role']} ({at['node']}) | {at['y_live_bytes']} "
+              f"| {custom <= fast - at['y_live_bytes']} |")
+
+
+if __name__ == "__main__":
+    print_table()
