@@ -177,7 +177,8 @@ def measure_row(task: dict) -> dict:
         ``max_grad_error``, ``recompiles``; remat_compiler rows also ``backend`` (what ran),
         ``predicted_peak_bytes`` (the walk of Inductor's code, or the plan's peak on the eager
         backend), ``plan_peak_bytes``, ``tracked_peak_bytes``, ``timings`` and the
-        ``warnings`` it raised.
+        ``warnings`` it raised; where an Inductor row's tracked peak is not the walk's, ``mismatch``:
+        the plan's JSON and both generated wrappers, to replay it.
     """
     import remat_compiler
     from remat_compiler.inductor import watch
@@ -222,6 +223,12 @@ def measure_row(task: dict) -> dict:
         with tracker, (watch(tracker, planned.inductor) if inductor else contextlib.nullcontext()):
             run_step(runner, args, kwargs)
         result["tracked_peak_bytes"] = tracker.peak_bytes
+        if inductor and tracker.peak_bytes != planned.compiled.peak_bytes:
+            # the walk missed something: keep what replays it (compile(model, plan=Plan.from_json(...),
+            # backend="inductor") writes the same code), since CP-SAT's wall-clock plans do not repeat
+            result["mismatch"] = {"plan": planned.plan.to_json(), "forward_source": planned.inductor[0].source,
+                                  "backward_source": planned.inductor[1].source,
+                                  "walk_peak_at": planned.compiled.peak_node}
 
     runners = [eager, runner]
     if task.get("peer_task"):
