@@ -176,23 +176,34 @@ def test_gpt2_at_its_default_config_trains_like_eager_under_inductor():
     assert measured <= walked <= 1.10 * measured, (measured, walked)
 
 
+def _over_on_first_call(calls: list, peak_bytes: int):
+    """A stand-in for ``compiled_peak`` whose first walk says the code peaks at ``peak_bytes``."""
+    real = inductor.compiled_peak
+
+    def walk(*args, **kwargs):
+        peak = real(*args, **kwargs)
+        calls.append(peak.peak_bytes)
+        if len(calls) == 1:
+            peak.record("forward:pretend", peak_bytes)
+        return peak
+    return walk
+
+
+def _step_without_warning(m, x, loss_fn) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        loss_fn(m(x)).backward()
+
+
 def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_it_cannot(monkeypatch):
     model, x, loss_fn = _mlp_case()
     budget = 180_000
     real = inductor.compiled_peak
     calls = []
-
-    def over_on_first_call(*args, **kwargs):  # Inductor's code for the first plan peaks 1 B over
-        peak = real(*args, **kwargs)
-        calls.append(peak.peak_bytes)
-        if len(calls) == 1:
-            peak.record("forward:pretend", budget + 1)
-        return peak
-    monkeypatch.setattr(inductor, "compiled_peak", over_on_first_call)
+    # Inductor's code for the first plan peaks 1 B over
+    monkeypatch.setattr(inductor, "compiled_peak", _over_on_first_call(calls, budget + 1))
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        loss_fn(m(x)).backward()
+    _step_without_warning(m, x, loss_fn)
     assert len(calls) == 2
     assert m.planned.backend == "inductor" and m.planned.compiled.peak_bytes <= budget
 
@@ -214,20 +225,10 @@ def test_where_the_lowered_budget_has_no_plan_the_leanest_plan_is_compiled_next(
     found, and that plan's code fits."""
     model, x, loss_fn = _mlp_case()
     budget = 180_000
-    real = inductor.compiled_peak
-    calls, budgets = [], []
-
-    def far_over_on_first_call(*args, **kwargs):
-        peak = real(*args, **kwargs)
-        calls.append(peak.peak_bytes)
-        if len(calls) == 1:
-            peak.record("forward:pretend", 2 * budget)
-        return peak
-    monkeypatch.setattr(inductor, "compiled_peak", far_over_on_first_call)
+    calls = []
+    monkeypatch.setattr(inductor, "compiled_peak", _over_on_first_call(calls, 2 * budget))
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        loss_fn(m(x)).backward()
+    _step_without_warning(m, x, loss_fn)
     assert len(calls) == 2  # the infeasible budget was refused by the solve, before any compile
     floor = remat_compiler.compile(model, memory_budget=1, backend="inductor", time_limit_s=2)
     with pytest.raises(remat_compiler.InfeasibleBudgetError) as info:
