@@ -797,7 +797,7 @@ class CompiledModule(torch.nn.Module):
                 why = f"its generated code could not be read ({exc})"
                 break
             except InfeasibleBudgetError as exc:
-                if spec is self._spec or over_at is None:
+                if over_at is None:  # the user's own budget: no plan at all
                     raise
                 why = f"a plan under the lower budget it needs does not exist ({exc})"
                 if exc.min_feasible_bytes >= over_at:
