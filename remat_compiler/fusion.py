@@ -58,7 +58,7 @@ def fusible_recompute(cg: CostGraph, saved, budget_bytes: int | None) -> list[st
     Returns
     -------
     list of str
-        The saved values to keep, in ``saved``'s order (``saved`` itself where nothing moves).
+        The saved values to keep, in ``saved``'s order (all of them where nothing moves).
     """
     saved = list(saved)
     base = build_schedule(cg, saved)

@@ -44,8 +44,8 @@ from ortools.sat.python import cp_model
 from remat_compiler.budget import human_bytes
 from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
-from remat_compiler.schedule import (bw_time, build_schedule, no_recompute, recomputed_outputs, save_all_set,
-                                     simulate)
+from remat_compiler.schedule import (Schedule, bw_time, build_schedule, no_recompute, recomputed_outputs,
+                                     save_all_set, simulate)
 from remat_compiler.solvers.combine_choice import CombineUnion
 from remat_compiler.solvers.cpsat.costs import cost_units
 from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
@@ -244,7 +244,6 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
         else:
             intervals.append(m.new_optional_fixed_size_interval_var(a, z - a + 1, when, f"opt_{i}"))
         demands.append(size // unit)
-    t_end = bw_time(F, B - 1)
     idx = cg.fw_index
     for v in cands:
         size = cg.attr(v, "bytes") // unit
@@ -365,12 +364,12 @@ def _fixed_intervals(union: CombineUnion, to_union, lit) -> list[tuple[int, int,
 
 @dataclass
 class WarmStart:
-    """The warm start :func:`hint_pure_choice` hinted: one combine for every segment and a saved set
-    of its graph under the budget (a whole plan), and the fill's solver where it completed the hint
-    into a CP-SAT solution (else None)."""
+    """The warm start :func:`hint_pure_choice` hinted: one combine for every segment and the schedule
+    of a saved set of its graph under the budget (a whole plan), and the fill's solver where it
+    completed the hint into a CP-SAT solution (else None)."""
 
     mode: str
-    saved: list[str]
+    schedule: Schedule
     filled: cp_model.CpSolver | None
 
 
@@ -412,7 +411,7 @@ def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | N
             m.add_hint(var, 1 if v in recomputed or v in saved else 0)
     fill = make_solver(deadline.slice(0.5), 1, deadline.deterministic)
     fill.parameters.fix_variables_to_their_hinted_value = True
-    warm = WarmStart(mode, list(schedule.saved), None)
+    warm = WarmStart(mode, schedule, None)
     if run_solver(fill, m, deadline=deadline) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return warm
     m.clear_hints()
@@ -505,8 +504,7 @@ def _warm_choice(union: CombineUnion, cm: ChoiceModel, warm: WarmStart, objectiv
     """The warm start as the choice, where CP-SAT returned no solution at all in the time: every
     segment in its combine, its saved set, the simulated peak of that graph (exact), the recompute
     cost of its plan (the pieces' communication aside), feasible with gap 1 (nothing proven)."""
-    cg = union.graphs[warm.mode]
-    schedule = build_schedule(cg, warm.saved)
+    cg, schedule = union.graphs[warm.mode], warm.schedule
     cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
     return Choice(dict.fromkeys(cm.fused, warm.mode), list(schedule.saved), simulate(cg, schedule).peak_bytes,
                   cost, "feasible", solve_time_s, 1.0 if cost else 0.0)

@@ -127,7 +127,6 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     xs, getitem_parent = add_first_need(m, cg, M, r, direct_first, B, first, st)
 
     # memory, on the simulator's node-level time axis (forward node i at time i, then bw_time)
-    t_end = bw_time(F, B - 1)
     idx = cg.fw_index
     intervals, demands = [], []
     aux: dict[str, dict] = {}
