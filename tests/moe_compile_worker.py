@@ -11,7 +11,10 @@ CP-SAT compiles are the default solver's, which chooses each expert-parallel lay
 backward pieces as the choice aligns them (:func:`union_collectives`), and
 the dropless checks of :func:`moe_uneven_worker.uneven_checks` (uneven splits, in the same job so
 that they pay for no spawn of their own), and (on 2 ranks) the combine choice of a stack without an
-expert-parallel group (:func:`choice_on_ranks`), to ``out_dir/rank{r}.pt``.
+expert-parallel group (:func:`choice_on_ranks`), the bare layer's checks against one process
+(:func:`moe_dist_worker.layer_checks`, for tests/test_moe_layer.py's concerns) and (on 2 ranks)
+moe_custom's peak against moe_fast's (:func:`moe_peak_worker.run_shape` on its ``RANK_SHAPES``), to
+``out_dir/rank{r}.pt``. One job per world size: each spawn of gloo ranks costs seconds of start-up.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from passes import CostModel
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
 
+import moe_dist_worker
 import moe_uneven_worker
 
 __all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
@@ -218,7 +222,10 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Eager step, every strategy compiled and run, plan digests gathered; saved for the parent."""
+    """Eager step, every strategy compiled and run, plan digests gathered, and the other files'
+    expert-parallel checks (tests/test_moe_compile.py runs their tests); saved for the parent."""
+    import moe_peak_worker  # here: it imports this module
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -240,6 +247,9 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                     "measured": measured_against_plan(group, x),
                     "uneven": moe_uneven_worker.uneven_checks(group, world, rank),
                     "choice": choice_on_ranks(x, g) if world == 2 else None,
+                    "layer": moe_dist_worker.layer_checks(group, world, rank),
+                    "custom_peak": [moe_peak_worker.run_shape(shape, group, world, rank)
+                                    for shape in moe_peak_worker.RANK_SHAPES] if world == 2 else None,
                     "union": {"equal": union_collectives(make_model(group), x),
                               "uneven": union_collectives(moe_uneven_worker.make_model(group),
                                                           moe_uneven_worker.make_tokens("skewed", world, rank))}

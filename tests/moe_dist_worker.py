@@ -1,27 +1,23 @@
-"""Rank entry point for the expert-parallel MoE tests (spawned by tests/test_moe_layer.py).
+"""The expert-parallel checks of the bare MoE layer, run on each rank of the gloo jobs that
+``moe_compile_worker.run_rank`` spawns for tests/test_moe_compile.py (one job per world size pays
+for one spawn), and the tracing helpers tests/test_moe_layer.py uses.
 
 Every rank seeds torch identically, builds the same full layer and keeps its expert shard, takes
-its slice of one global token batch, runs forward and backward for both combine modes, and saves
-outputs and gradients to ``out_dir/rank{r}.pt`` for the parent to compare against a
-single-process layer run on all tokens.
+its slice of one global token batch, runs forward and backward for both combine modes, and returns
+outputs and gradients for the parent to compare against a single-process layer run on all tokens.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
-import torch.distributed as dist
 from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_function
 
 from remat_compiler.moe import MoELayer
 
-__all__ = ["CONFIG", "make_layer", "make_batch", "trace_step", "count_all_to_all", "run_rank"]
+__all__ = ["CONFIG", "make_layer", "make_batch", "trace_step", "count_all_to_all", "single_process", "layer_checks"]
 
 CONFIG = dict(hidden_size=8, ffn_hidden_size=6, num_experts=8, top_k=2, tokens_per_rank=6)
-TIMEOUT_S = 60
 
 
 def make_layer(group, combine: str) -> MoELayer:
@@ -87,42 +83,43 @@ def count_all_to_all(gm) -> int:
     )
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Run both combine modes on this rank's tokens and save the results."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-    )
+def single_process(combine: str, world: int) -> dict:
+    """What the ranks must give together: the layer on one process, holding every expert, run on all
+    ranks' tokens; ``{out, x, router, w1, w2}`` as :func:`layer_checks` names them."""
+    x, g = make_batch(world)
+    layer = make_layer(None, combine)
+    x = x.requires_grad_(True)
+    out = layer(x)
+    out.backward(g)
+    return {"out": out.detach(), "x": x.grad, "router": layer.router.linear.weight.grad,
+            "w1": layer.gemm1.weight.grad, "w2": layer.gemm2.weight.grad}
+
+
+def layer_checks(group, world: int, rank: int) -> dict:
+    """Both combine modes on this rank's tokens, run eagerly and traced, and whether a layer whose
+    experts do not divide over the ranks is refused: ``{combine: {out, x, router, w1, w2, traced,
+    a2a_nodes}, "indivisible_raised": bool}``. Runs inside ``moe_compile_worker.run_rank``'s job."""
+    x_all, g_all = make_batch(world)
+    rows = slice(rank * CONFIG["tokens_per_rank"], (rank + 1) * CONFIG["tokens_per_rank"])
+    results = {}
+    for combine in ("autograd", "fused"):
+        layer = make_layer(group, combine)
+        x = x_all[rows].clone().requires_grad_(True)
+        out = layer(x)
+        out.backward(g_all[rows])
+        results[combine] = {
+            "out": out.detach(),
+            "x": x.grad,
+            "router": layer.router.linear.weight.grad,
+            "w1": layer.gemm1.weight.grad,
+            "w2": layer.gemm2.weight.grad,
+        }
+        traced_out, traced_grads, graphs = trace_step(make_layer(group, combine), x, g_all[rows])
+        results[combine]["traced"] = {"out": traced_out, **traced_grads}
+        results[combine]["a2a_nodes"] = {k: count_all_to_all(gm) for k, gm in graphs.items()}
     try:
-        group = dist.group.WORLD
-        x_all, g_all = make_batch(world)
-        rows = slice(rank * CONFIG["tokens_per_rank"], (rank + 1) * CONFIG["tokens_per_rank"])
-        results = {}
-        for combine in ("autograd", "fused"):
-            layer = make_layer(group, combine)
-            x = x_all[rows].clone().requires_grad_(True)
-            out = layer(x)
-            out.backward(g_all[rows])
-            results[combine] = {
-                "out": out.detach(),
-                "x": x.grad,
-                "router": layer.router.linear.weight.grad,
-                "w1": layer.gemm1.weight.grad,
-                "w2": layer.gemm2.weight.grad,
-            }
-            traced_out, traced_grads, graphs = trace_step(make_layer(group, combine), x, g_all[rows])
-            results[combine]["traced"] = {"out": traced_out, **traced_grads}
-            results[combine]["a2a_nodes"] = {k: count_all_to_all(gm) for k, gm in graphs.items()}
-        try:
-            MoELayer(8, 6, num_experts=2 * world + 1, top_k=2, group=group)
-            results["indivisible_raised"] = False
-        except ValueError:
-            results["indivisible_raised"] = True
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        MoELayer(8, 6, num_experts=2 * world + 1, top_k=2, group=group)
+        results["indivisible_raised"] = False
+    except ValueError:
+        results["indivisible_raised"] = True
+    return results

@@ -1,4 +1,5 @@
-"""Helpers of tests/test_moe_custom_peak.py, and the rank entry point its gloo test spawns.
+"""Helpers of tests/test_moe_custom_peak.py; on 2 gloo ranks, :func:`run_shape` runs inside
+``moe_compile_worker.run_rank``'s job (one spawn for the expert-parallel tests of a world size).
 
 For each shape of :data:`SHAPES` it builds the same MoE model (float64, seed 0) with its loss
 ``(out ** 2).mean()`` inside, runs the step eagerly, then compiles it with ``moe_fast`` and with
@@ -8,11 +9,7 @@ whether the plan's simulated peak lies in the backward of an MoE segment (and of
 """
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
-import torch.distributed as dist
 
 import remat_compiler
 from remat_compiler.memory import LiveStorageTracker
@@ -22,7 +19,7 @@ from remat_compiler.schedule import simulate
 from moe_compile_worker import MeanSquare  # the model with its loss inside
 from moe_uneven_worker import run_step as _step  # one step from fresh gradients: loss and gradients
 
-__all__ = ["SHAPES", "RANK_SHAPES", "STRATEGIES", "make_model", "make_tokens", "y_bytes", "run_shape", "run_rank"]
+__all__ = ["SHAPES", "RANK_SHAPES", "STRATEGIES", "make_model", "make_tokens", "y_bytes", "run_shape", "check_shape"]
 
 # F > H and F < H, top-2 and top-1, one layer and two; 4 experts, 32 tokens a rank, float64.
 # capacity_factor 2.0: top-2 drops nothing (2.0 = E / top_k), top-1 can drop assignments.
@@ -40,7 +37,6 @@ RANK_SHAPES = [SHAPES[1], SHAPES[3], SHAPES[4]]
 NUM_EXPERTS, TOKENS = 4, 32
 STRATEGIES = ("moe_fast", "moe_custom")
 STEPS = 3
-TIMEOUT_S = 120
 
 
 def make_model(shape: dict, group=None) -> MeanSquare:
@@ -105,18 +101,20 @@ def run_shape(shape: dict, group=None, world: int = 1, rank: int = 0) -> dict:
     return out
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Every shape of :data:`RANK_SHAPES` on this rank of an expert-parallel gloo group; results saved
-    for the parent."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        results = [run_shape(shape, dist.group.WORLD, world, rank) for shape in RANK_SHAPES]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def check_shape(res: dict, shape: dict, label: str) -> None:
+    """Assert what tests/test_moe_custom_peak.py checks of one shape's :func:`run_shape` results."""
+    for name in STRATEGIES:
+        got, want = res[name]["grads"], res["eager"]
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12,  # float64
+                                       msg=lambda m: f"{label} {name} {k}: {m}")
+        peaks = res[name]["measured"]
+        assert sorted(peaks)[len(peaks) // 2] == res[name]["predicted"], (label, name, res[name])
+    fast, custom = (min(res[n]["measured"]) for n in STRATEGIES)
+    assert res["moe_fast"]["saved"] - res["moe_custom"]["saved"] == y_bytes(shape), label
+    at = res["moe_fast"]["peak_at"]
+    assert custom <= fast - at["y_live_bytes"], (label, fast, custom, at, res["moe_custom"]["peak_at"])
 
 
 def print_table() -> None:

@@ -2,8 +2,9 @@
 
 Workloads: a residual stack of two :class:`MoELayer` (float64, see ``moe_compile_worker.CONFIG``) on
 1, 2 and 4 gloo ranks, the same kind of stack with dropless uneven splits on 2 and 4 ranks (issue 16,
-``moe_uneven_worker``; in the same spawned jobs), and a tiny random HuggingFace Mixtral (2 layers, 8
-experts, top-2).
+``moe_uneven_worker``; in the same spawned jobs, as are the bare layer's checks against one process,
+``moe_dist_worker``, and moe_custom's peak against moe_fast's on 2 ranks, ``moe_peak_worker``), and a
+tiny random HuggingFace Mixtral (2 layers, 8 experts, top-2).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 import moe_compile_worker as worker
+import moe_dist_worker as layer_worker
+import moe_peak_worker as peak_worker
 import moe_uneven_worker as uneven
 import remat_compiler
 from remat_compiler.memory import LiveStorageTracker
@@ -375,6 +378,48 @@ def test_expert_parallel_uneven_splits(ep_ranks):
                 for param in (p for p in steps[0] if "router" in p):
                     torch.testing.assert_close(sum(s[param] for s in steps), reference[routing][param], **TOL)
     assert raised == {("cpsat", "one_rank", r) for r in range(world)}
+
+
+def test_expert_parallel_layer_matches_single_process(ep_ranks):
+    """The bare layer (both combines) on each rank of the job against one process holding every
+    expert on all ranks' tokens: outputs, input and expert gradients equal each rank's share, the
+    replicated router's gradients sum to the one process's; traced with AOTAutograd it gives the
+    same, with the all-to-alls each combine needs; experts that do not divide are refused."""
+    world, ranks = ep_ranks
+    per_rank = layer_worker.CONFIG["tokens_per_rank"]
+    local_experts = layer_worker.CONFIG["num_experts"] // world
+    for combine in ("autograd", "fused"):
+        want = layer_worker.single_process(combine, world)
+        for r, res in enumerate(ranks):
+            got = res["layer"][combine]
+            rows = slice(r * per_rank, (r + 1) * per_rank)
+            experts = slice(r * local_experts, (r + 1) * local_experts)
+            torch.testing.assert_close(got["out"], want["out"][rows], **TOL)
+            torch.testing.assert_close(got["x"], want["x"][rows], **TOL)
+            torch.testing.assert_close(got["w1"], want["w1"][experts], **TOL)
+            torch.testing.assert_close(got["w2"], want["w2"][experts], **TOL)
+            assert not torch.allclose(got["router"], want["router"]), "router grad should be partial"
+            for name, key in [("x", "x"), ("router.linear.weight", "router"),
+                              ("gemm1.weight", "w1"), ("gemm2.weight", "w2")]:
+                torch.testing.assert_close(got["traced"][name], got[key], **TOL)
+            torch.testing.assert_close(got["traced"]["out"], got["out"], **TOL)
+            # forward: dispatch + combine; backward: their transposes (autograd) or dispatch's
+            # transpose + G, probs and d(probs) inside FusedCombine.backward (fused)
+            assert got["a2a_nodes"] == {"fw": 2, "bw": 2 if combine == "autograd" else 4}
+        router_sum = sum(res["layer"][combine]["router"] for res in ranks)  # replicated router: reduce
+        torch.testing.assert_close(router_sum, want["router"], **TOL)
+    assert all(res["layer"]["indivisible_raised"] for res in ranks)
+
+
+@pytest.mark.parametrize("ep_ranks", [2], indirect=True, ids=str)
+def test_custom_peak_on_two_ranks(ep_ranks):
+    """tests/test_moe_custom_peak.py's checks of moe_custom against moe_fast on each rank of the
+    2-rank job, for ``moe_peak_worker.RANK_SHAPES``."""
+    _, ranks = ep_ranks
+    for r, res in enumerate(ranks):
+        assert len(res["custom_peak"]) == len(peak_worker.RANK_SHAPES)
+        for shape, got in zip(peak_worker.RANK_SHAPES, res["custom_peak"]):
+            peak_worker.check_shape(got, shape, f"rank {r}")
 
 
 # ---------------------------------------------------------------- HuggingFace Mixtral

@@ -1,9 +1,9 @@
-"""Tests for remat_compiler.moe: the MoE layer, its fused combine, expert parallelism, tracing."""
+"""Tests for remat_compiler.moe: the MoE layer, its fused combine, tracing. Its expert-parallel checks
+against one process (``moe_dist_worker.layer_checks``) run in tests/test_moe_compile.py's gloo jobs."""
 
 from __future__ import annotations
 
 
-import dist_spawn
 import pytest
 import torch
 import torch.nn.functional as F
@@ -254,40 +254,3 @@ def test_bad_arguments_raise_value_error(monkeypatch):
     monkeypatch.setattr(layer_module, "group_world_size", lambda group: 3)
     with pytest.raises(ValueError, match="not divisible by the expert-parallel group size 3"):
         MoELayer(H, FFN, num_experts=4, top_k=2, group=object())
-
-
-# ---------------------------------------------------------------- expert parallel (gloo)
-
-
-def spawn_ranks(world, out_dir, timeout_s=90):
-    dist_spawn.spawn_ranks(moe_dist_worker.run_rank, world, out_dir, timeout_s)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_matches_single_process(world, tmp_path):
-    spawn_ranks(world, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    x, g = moe_dist_worker.make_batch(world)
-    per_rank = moe_dist_worker.CONFIG["tokens_per_rank"]
-    local_experts = moe_dist_worker.CONFIG["num_experts"] // world
-    for combine in MODES:
-        want = run_layer(moe_dist_worker.make_layer(None, combine), x, g)
-        for r, res in enumerate(ranks):
-            got = res[combine]
-            rows = slice(r * per_rank, (r + 1) * per_rank)
-            experts = slice(r * local_experts, (r + 1) * local_experts)
-            torch.testing.assert_close(got["out"], want["out"][rows], **TOL)
-            torch.testing.assert_close(got["x"], want["x"][rows], **TOL)
-            torch.testing.assert_close(got["w1"], want["w1"][experts], **TOL)
-            torch.testing.assert_close(got["w2"], want["w2"][experts], **TOL)
-            assert not torch.allclose(got["router"], want["router"]), "router grad should be partial"
-            for name, key in [("x", "x"), ("router.linear.weight", "router"),
-                              ("gemm1.weight", "w1"), ("gemm2.weight", "w2")]:
-                torch.testing.assert_close(got["traced"][name], got[key], **TOL)
-            torch.testing.assert_close(got["traced"]["out"], got["out"], **TOL)
-            # forward: dispatch + combine; backward: their transposes (autograd) or dispatch's
-            # transpose + G, probs and d(probs) inside FusedCombine.backward (fused)
-            assert got["a2a_nodes"] == {"fw": 2, "bw": 2 if combine == "autograd" else 4}
-        router_sum = sum(res[combine]["router"] for res in ranks)  # replicated router: reduce
-        torch.testing.assert_close(router_sum, want["router"], **TOL)
-    assert all(res["indivisible_raised"] for res in ranks)

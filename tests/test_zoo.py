@@ -76,18 +76,27 @@ def _assert_same(family, label, got, want):
 def test_family_at_default_config(family):
     model, inputs, _ = build(family)
     eager_loss, eager_grads, eager_buffers = _eager(model, inputs)
-    _, cg = rc.analyze(model, (), inputs)
     # the plans the smallest-budget search finds (with reruns, searched locally) reach the compiles
     # through the memo, as a budget sweep's do: a solve without it may not meet that budget again
-    memo = SolveMemo()
-    smallest, *_ = min_feasible_peak(cg, time_limit_s=TIME_LIMIT_S, memo=memo)
-    no_recompute = solve(cg, None, "save_all").peak_bytes
-    assert smallest <= no_recompute
-    budgets = (smallest,) if family in SMALLEST_ONLY else (smallest, (smallest + no_recompute) // 2)
-    for budget in budgets:
+    memo, found = SolveMemo(), {}
+
+    def at_smallest(cg, _budget_bytes, **_options):
+        """CP-SAT at the smallest feasible budget of the graph this compile traced (a solver of
+        one's own: the model is traced once for the search and the plan)."""
+        found["smallest"], *_ = min_feasible_peak(cg, time_limit_s=TIME_LIMIT_S, memo=memo)
+        found["no_recompute"] = solve(cg, None, "save_all").peak_bytes
+        return solve(cg, found["smallest"], "cpsat", time_limit_s=TIME_LIMIT_S, memo=memo)
+
+    runs = [(None, at_smallest)] if family in SMALLEST_ONLY else [(None, at_smallest), ("midpoint", "cpsat")]
+    for budget, solver in runs:
+        if budget == "midpoint":
+            budget = (found["smallest"] + found["no_recompute"]) // 2
         net = copy.deepcopy(model)
-        m = rc.compile(net, memory_budget=budget, time_limit_s=TIME_LIMIT_S, memo=memo)
+        m = rc.compile(net, memory_budget=budget, solver=solver, time_limit_s=TIME_LIMIT_S, memo=memo)
         _step(net, m, inputs)                                   # traces and plans
+        if budget is None:
+            budget = found["smallest"]
+            assert budget <= found["no_recompute"], (family, found)
         with LiveStorageTracker() as mem:
             loss, grads = _step(net, m, inputs)
         _assert_same(family, budget, (loss, grads), (eager_loss, eager_grads))
