@@ -176,7 +176,8 @@ def measure_row(task: dict) -> dict:
         ``step_s``, ``eager_step_s``, ``step_ratio``, ``first_call_s``, ``compile_s``,
         ``max_grad_error``, ``recompiles``; remat_compiler rows also ``backend`` (what ran),
         ``predicted_peak_bytes`` (the walk of Inductor's code, or the plan's peak on the eager
-        backend), ``plan_peak_bytes``, ``tracked_peak_bytes``, ``timings`` and the
+        backend), ``plan_peak_bytes``, ``tracked_peak_bytes``, ``first_step_bytes`` (the Inductor
+        backend's own measure of its code's first step), ``timings`` and the
         ``warnings`` it raised; where an Inductor row's tracked peak is not the walk's, ``mismatch``:
         the plan's JSON and both generated wrappers, to replay it.
     """
@@ -217,7 +218,7 @@ def measure_row(task: dict) -> dict:
         inductor = planned.backend == "inductor"
         result.update(backend=planned.backend, plan_peak_bytes=planned.plan.peak_bytes,
                       predicted_peak_bytes=planned.compiled.peak_bytes if inductor else planned.plan.peak_bytes,
-                      timings=planned.timings)
+                      first_step_bytes=planned.first_step_bytes, timings=planned.timings)
         _no_grads(runner, args, kwargs)
         tracker = LiveStorageTracker()
         with tracker, (watch(tracker, planned.inductor) if inductor else contextlib.nullcontext()):

@@ -160,6 +160,7 @@ class PlannedGraph:
     backend: str = "eager"  # what runs fw and bw: "eager" (op by op) or "inductor"
     compiled: EmittedPeak | None = None  # Inductor's code walked (remat_compiler.inductor.compiled_peak)
     inductor: tuple = ()  # the forward and backward Inductor compiled (remat_compiler.inductor.InductorGraph)
+    first_step_bytes: int | None = None  # Inductor's code: the measured peak of its first step
 
 
 def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
@@ -594,23 +595,33 @@ class _Entry:
     grad_deps: list | None = None     # per flat input: the tangents its gradient reads (see GradGate)
     gate: bool = True                 # whether calls need the gate (decided once the graph is known)
     example: list | None = None       # the first call's state tensors and inputs (to trace it again)
+    over: tuple | None = None         # Inductor's first step measured above the budget: the next
+    #                                   trace's (planning budget, walk margin, overshot plan peak)
+    replan: tuple | None = None       # this trace's, from the entry it replaces (its ``over``)
+    measured_replans: int = 0         # re-plans made after a first step measured above the budget
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
 #: peaks above the budget, before it runs the eager backend's plan instead.
 INDUCTOR_REPLANS = 3
+#: How many times it re-plans after a first step measured above the budget (the walk missed
+#: something) before the next call runs the eager backend's plan instead.
+MEASURED_REPLANS = 1
 
 BACKENDS = ("eager", "inductor")
 
 
-def _inductor_facts(planned: PlannedGraph, budget: Budget):
+def _inductor_facts(planned: PlannedGraph, budget: Budget, margin_bytes: int = 0):
     """What :class:`remat_compiler.inductor.InductorCompilers` reads of the plan just made, and the
-    budget it must keep, in bytes."""
+    budget the walk of its code must keep, in bytes: less ``margin_bytes``, what a walk was found to
+    miss on this step."""
     from remat_compiler.inductor import StepFacts
 
     cg = planned.cg
+    limit = resolve_budget(cg, budget)
     return StepFacts(planned.bw, len(cg.fw_outputs), tuple(cg.g.graph.get("input_updates", ())),
-                     cg.hold_outputs, planned.plan.peak_bytes, resolve_budget(cg, budget), cg.allocator)
+                     cg.hold_outputs, planned.plan.peak_bytes,
+                     None if limit is None else limit - margin_bytes, cg.allocator)
 
 
 # One trace at a time in this process: a trace swaps the model's parameters for the trace's tensors
@@ -698,15 +709,18 @@ class CompiledModule(torch.nn.Module):
             raise self._failures[key]
         entry = self._entries.get(key)
         step, flat = flatten_step(self._orig_mod, args, kwargs, hold_outputs=self._hold_outputs)
-        if entry is None:
+        if entry is None or entry.over is not None:
             with _TRACE_LOCK:
                 entry = self._entries.get(key)
                 if entry is None:
                     return self._first_call(key, step, flat)
+                if entry.over is not None:  # its first step measured above the budget: plan again
+                    del self._entries[key]
+                    return self._first_call(key, step, flat, after=entry)
         state = entry.step.state_tensors()
         return self._call(entry, state + flat, entry.gate)
 
-    def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor]):
+    def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor], after: _Entry | None = None):
         if any(without_data(t) for t in step.state_tensors() + flat):
             raise ValueError(
                 "a model or inputs on the meta device (or FakeTensors) hold no data, so the compiled "
@@ -714,6 +728,8 @@ class CompiledModule(torch.nn.Module):
                 "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
                 "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
         entry = _Entry(step=step, fn=None, example=step.state_tensors() + flat)
+        if after is not None:  # the step's plan again, after Inductor's code measured above the budget
+            entry.replan, entry.measured_replans = after.over, after.measured_replans + 1
         record = GradRecord(entry)
         inputs, positions = self._gated(record, step.state_tensors() + flat)
         try:
@@ -773,14 +789,30 @@ class CompiledModule(torch.nn.Module):
         Each re-plan lowers the planning budget by what Inductor's code overshot. Where that lower
         budget has no plan, the next try plans at the smallest peak the solve found instead (between
         the infeasible budget and the last one whose code overshot): Inductor's code for the leanest
-        plan can still fit the budget even though the overshoot rule asked for less."""
+        plan can still fit the budget even though the overshoot rule asked for less.
+
+        The code accepted is measured on its first step (:meth:`_first_step_report`). Where that
+        measured above the budget, this call is the next one (``entry.replan``): it plans under the
+        budget lowered by the overshoot, holding the walk of the new code below the budget by what
+        the old walk missed; after :data:`MEASURED_REPLANS` such re-plans it runs the eager backend's
+        plan, with a warning."""
         from remat_compiler.inductor import (DECOMPOSITIONS, CompiledOverBudget, InductorCompilers,
                                              UnreadableCodeError)
 
         spec, why = _fusing(self._spec), None
         over_at = None  # the lowest planning budget whose Inductor code peaked above the budget
+        margin = 0  # bytes a walk of this step's code was found to miss (its first step measured)
+        if entry.replan is not None:
+            lower, margin, over_at = entry.replan
+            if entry.measured_replans > MEASURED_REPLANS:
+                warnings.warn("backend='inductor': the first step of the re-planned code measured above the "
+                              "budget again. This step runs the eager backend's plan instead (exact, slower)",
+                              RuntimeWarning, stacklevel=5)
+                return self._trace_and_run_eager(entry, inputs)
+            spec = dataclasses.replace(spec, budget=parse_budget(max(int(lower), 1)), plan=None, plan_cache=None)
         for _ in range(INDUCTOR_REPLANS + 1):
-            compilers = InductorCompilers(lambda: _inductor_facts(entry.planned, self._spec.budget))
+            compilers = InductorCompilers(lambda: _inductor_facts(entry.planned, self._spec.budget, margin),
+                                          self._first_step_report(entry, margin))
             entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,
                                 bw_compiler=compilers.backward, decompositions=DECOMPOSITIONS)
             try:
@@ -812,6 +844,33 @@ class CompiledModule(torch.nn.Module):
         warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                       f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
         return self._trace_and_run_eager(entry, inputs)
+
+    def _first_step_report(self, entry: _Entry, margin: int) -> Callable[[int], None]:
+        """What to do with the measured peak of the first step of this entry's Inductor code
+        (:class:`remat_compiler.inductor.FirstStepCheck`): record it and, above the budget, warn
+        and have the next call plan again under a budget lowered by the overshoot, with the walk of
+        the new code held below the budget by what this walk missed. Under torch.distributed it
+        only warns: the ranks measure apart, and a re-plan on one rank alone would part their plans."""
+        def report(measured: int) -> None:
+            planned = entry.planned
+            planned.first_step_bytes = measured
+            limit = resolve_budget(planned.cg, self._spec.budget)
+            if limit is None or measured <= limit:
+                return
+            walked = planned.compiled
+            missed = max(measured - walked.peak_bytes, 0)
+            said = (f"backend='inductor': the first step of Inductor's code for this plan measured "
+                    f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
+                    f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
+            if distributed():
+                warnings.warn(f"{said}. Under torch.distributed it is not re-planned on one rank: pass a "
+                              f"memory_budget lower by {measured - limit} bytes", RuntimeWarning, stacklevel=2)
+                return
+            over_at = min(limit, planned.plan.peak_bytes)
+            entry.over = (over_at - (measured - limit), margin + missed, over_at)
+            warnings.warn(f"{said}. The next call plans this step again under a budget lower by "
+                          f"{measured - limit} bytes", RuntimeWarning, stacklevel=2)
+        return report
 
     def _gated(self, record: GradRecord, inputs: list[torch.Tensor]):
         positions = tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad)

@@ -33,8 +33,8 @@ import torch.fx as fx
 from passes.storage import strided_span_bytes
 from remat_compiler.emitted import EmittedPeak, held_positions
 
-__all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", "CompiledOverBudget", "UnreadableCodeError",
-           "compile_graph", "compiled_peak", "watch"]
+__all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", "CompiledOverBudget",
+           "FirstStepCheck", "UnreadableCodeError", "compile_graph", "compiled_peak", "watch"]
 
 
 def _decompositions() -> dict:
@@ -85,8 +85,11 @@ class InductorGraph:
     fn: Callable
     source: str
     buffer_bytes: dict[str, int] = field(default_factory=dict)
+    check: "FirstStepCheck | None" = None  # measures this graph's first run (then clears itself)
 
     def __call__(self, *args):
+        if self.check is not None:
+            return self.check.run(self, args)
         return self.fn(*args)
 
     @property
@@ -405,14 +408,20 @@ class InductorCompilers:
     runs. The backward's hands back the backward compiled then, after checking that AOTAutograd asks
     for that same graph.
 
+    Once the code is accepted, the first step it runs is measured (:class:`FirstStepCheck`) and
+    ``on_first_step`` is called with the bytes measured.
+
     Parameters
     ----------
     facts : callable
         Returns the :class:`StepFacts` of the plan the partitioner just made.
+    on_first_step : callable, optional
+        Called with the measured peak of the first step the accepted code runs.
     """
 
-    def __init__(self, facts: Callable[[], StepFacts]):
+    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int], None] | None = None):
         self._facts = facts
+        self._on_first_step = on_first_step
         self.fw: InductorGraph | None = None
         self.bw: InductorGraph | None = None
         self.peak: EmittedPeak | None = None
@@ -430,6 +439,8 @@ class InductorCompilers:
                                   allocator=facts.allocator)
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
+        if self._on_first_step is not None:
+            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step)
         return self.fw
 
     def backward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
@@ -437,6 +448,59 @@ class InductorCompilers:
             raise UnreadableCodeError("AOTAutograd asks to compile a backward other than the plan's, "
                                       "whose compiled peak was checked")
         return self.bw
+
+
+class FirstStepCheck:
+    """Measure the first step a plan's Inductor code runs: the walk's prediction checked against
+    what ran, so that code peaking above its budget is never run on silently.
+
+    A :class:`~remat_compiler.memory.LiveStorageTracker`, shown the wrappers' own buffers by
+    :func:`watch`, is active while the forward runs and again while the backward runs; between the
+    two (the caller's code, the loss outside the model) it only sees frees. Its peak is the step's in
+    the walk's accounting: the forward's allocations, the outputs the caller holds, the saved values,
+    the gradients fed to the backward (counted as it starts, as the walk counts them) and all the
+    backward allocates, fallback kernels' inner tensors included. Calls the graphs' other runs, and
+    a forward run again before the first backward, pass through unmeasured.
+
+    Parameters
+    ----------
+    fw, bw : InductorGraph
+        The plan's compiled forward and backward; the check attaches itself to both.
+    num_fwd_outputs : int
+        The forward's outputs that are the caller's (the rest are saved for the backward).
+    report : callable
+        Called with the measured peak once the first backward has run.
+    """
+
+    def __init__(self, fw: InductorGraph, bw: InductorGraph, num_fwd_outputs: int,
+                 report: Callable[[int], None]):
+        from remat_compiler.memory import LiveStorageTracker
+
+        self.tracker = LiveStorageTracker()
+        self._fw, self._bw = fw, bw
+        self._num_fwd_outputs = num_fwd_outputs
+        self._report = report
+        self._num_saved: int | None = None  # known once the forward has run
+        fw.check = bw.check = self
+
+    def run(self, graph: InductorGraph, args: tuple):
+        if graph is self._fw:
+            graph.check = None
+            with self.tracker, watch(self.tracker, [graph]):
+                out = graph.fn(*args)
+            self._num_saved = len(out) - self._num_fwd_outputs
+            return out
+        if graph is not self._bw or self._num_saved is None:
+            return graph.fn(*args)
+        graph.check = None
+        flat = args[0] if graph._boxed_call else args
+        for t in list(flat)[self._num_saved:]:  # the gradients fed to it: the walk's new storages
+            if isinstance(t, torch.Tensor):
+                self.tracker.adopt(t)
+        with self.tracker, watch(self.tracker, [graph]):
+            out = graph.fn(*args)
+        self._report(self.tracker.peak_bytes)
+        return out
 
 
 def _backward_inputs(bw: fx.GraphModule, fw: InductorGraph, num_fwd_outputs: int) -> list:
