@@ -459,8 +459,10 @@ class FirstStepCheck:
     two (the caller's code, the loss outside the model) it only sees frees. Its peak is the step's in
     the walk's accounting: the forward's allocations, the outputs the caller holds, the saved values,
     the gradients fed to the backward (counted as it starts, as the walk counts them) and all the
-    backward allocates, fallback kernels' inner tensors included. Calls the graphs' other runs, and
-    a forward run again before the first backward, pass through unmeasured.
+    backward allocates. A forward run again before any backward starts the measure again (the step
+    measured is the last forward's and the first backward's); once a backward has run, the graphs
+    run unmeasured. What it cannot see: tensors a fallback kernel makes and frees inside itself
+    (the tracker sees the kernel's outputs, not its inner operations).
 
     Parameters
     ----------
@@ -474,9 +476,7 @@ class FirstStepCheck:
 
     def __init__(self, fw: InductorGraph, bw: InductorGraph, num_fwd_outputs: int,
                  report: Callable[[int], None]):
-        from remat_compiler.memory import LiveStorageTracker
-
-        self.tracker = LiveStorageTracker()
+        self.tracker = None  # each forward's own
         self._fw, self._bw = fw, bw
         self._num_fwd_outputs = num_fwd_outputs
         self._report = report
@@ -484,15 +484,17 @@ class FirstStepCheck:
         fw.check = bw.check = self
 
     def run(self, graph: InductorGraph, args: tuple):
-        if graph is self._fw:
-            graph.check = None
+        from remat_compiler.memory import LiveStorageTracker
+
+        if graph is self._fw:  # measured afresh until a backward follows: the step is the last forward's
+            self.tracker = LiveStorageTracker()
             with self.tracker, watch(self.tracker, [graph]):
                 out = graph.fn(*args)
             self._num_saved = len(out) - self._num_fwd_outputs
             return out
         if graph is not self._bw or self._num_saved is None:
             return graph.fn(*args)
-        graph.check = None
+        self._fw.check = self._bw.check = None
         flat = args[0] if graph._boxed_call else args
         for t in list(flat)[self._num_saved:]:  # the gradients fed to it: the walk's new storages
             if isinstance(t, torch.Tensor):

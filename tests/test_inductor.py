@@ -128,6 +128,48 @@ def test_the_walk_refuses_a_line_it_cannot_size():
         _walk(graph, "forward", _Storages(EmittedPeak()), [None, None])
 
 
+_CHECKED = """
+def forward(args):
+    x, = args
+    buf0 = empty_strided_cpu((100, ), (1, ), torch.float32)
+    buf1 = empty_strided_cpu((50, ), (1, ), torch.float32)
+    return (buf0, buf1)
+
+def backward(args):
+    buf1, tangents_1 = args
+    buf2 = empty_strided_cpu((25, ), (1, ), torch.float32)
+    return (buf2, )
+"""
+
+
+class _Wrapper:
+    """A stand-in for Inductor's compiled graph: ``current_callable`` is the wrapper's ``call``."""
+
+    def __init__(self, call):
+        self.current_callable = call
+
+    def __call__(self, *args):
+        return self.current_callable(list(args))
+
+
+def test_the_first_step_check_measures_the_last_forward_and_the_first_backward():
+    namespace = {"torch": torch,
+                 "empty_strided_cpu": lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)}
+    exec(_CHECKED, namespace)
+    fw, bw = (InductorGraph(_Wrapper(namespace[f]), "") for f in ("forward", "backward"))
+    reports = []
+    inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=reports.append)
+    x = torch.zeros(3)
+    earlier = fw(x)  # a forward whose backward does not come first (still held: not this step's)
+    user, saved = fw(x)
+    bw(saved, torch.ones(10))
+    # the last forward's output and saved value, the gradient fed in, the one returned: 4-byte floats
+    assert reports == [4 * (100 + 50 + 10 + 25)] and len(earlier) == 2
+    assert fw.check is None and bw.check is None
+    bw(*fw(x)[1:], torch.ones(10))  # later steps run unmeasured
+    assert len(reports) == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # End to end
 
