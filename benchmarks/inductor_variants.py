@@ -1,0 +1,135 @@
+"""Variants of the Inductor backend against torch.compile, timed in one process (issue 14's GPT-2
+budget-1.0 point, where remat_compiler and the peer are within a percent of each other).
+
+    python -m benchmarks.inductor_variants --rounds 11          # GPT-2 at 145.1 MiB, about 4 minutes
+
+One fresh copy of the workload (same weights) per runner, each compiled on its first call:
+
+- ``as built``: ``compile(model, budget, backend="inductor")``;
+- ``joint passes``: the same, with Inductor's joint-graph passes (pattern rewrites, no-op removal;
+  what ``torch.compile`` runs on the joint graph before its partitioner) run on the joint graph
+  before it is planned, random ops left to eager's generator (``fallback_random``);
+- ``no fused recompute``: the same, without :func:`remat_compiler.fusion.fusible_recompute` (the
+  plan as CP-SAT made it);
+- ``torch.compile``: Inductor with its own partitioner at ``activation_memory_budget``.
+
+Then all are stepped round-robin (gradients reset before each step, the loss alone held); each row
+gives the median step and the median over rounds of its step over the peer's in the same round. The
+variants are made by swapping two of :mod:`remat_compiler.api`'s steps during the runner's first call,
+so this is a probe of the pipeline, not an option of it. Peaks are the walk of Inductor's code (=
+the backend's first-step measure), not resident sets: see :mod:`benchmarks.inductor_peers` for those.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+import remat_compiler
+import remat_compiler.api as api
+from benchmarks.measure import compute_loss
+from benchmarks.strategies import pytorch_runner
+from benchmarks.workloads import WORKLOADS
+
+__all__ = ["VARIANTS", "variant", "main"]
+
+#: torch.compile's measured step peak at activation_memory_budget 1.0 on the benchmark GPT-2
+#: (RESULTS.md, "gpt2: the budget-1.0 point again", session 13): the budget remat_compiler gets there
+GPT2_PEER_PEAK_BYTES = 152_166_400
+VARIANTS = ("as built", "joint passes", "no fused recompute")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The Inductor backend as ``name`` (one of :data:`VARIANTS`) while the block runs."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    annotate, fusing = api.annotate_joint, api._fusing
+
+    def with_joint_passes(joint, step):
+        with config.patch(fallback_random=True):
+            joint = _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True,
+                                                  input_device=torch.device("cpu"))
+        return annotate(joint, step)
+
+    if name == "joint passes":
+        api.annotate_joint = with_joint_passes
+    elif name == "no fused recompute":
+        api._fusing = lambda spec: spec
+    elif name != "as built":
+        raise ValueError(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
+    try:
+        yield
+    finally:
+        api.annotate_joint, api._fusing = annotate, fusing
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.inductor_variants",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="gpt2", choices=sorted(WORKLOADS))
+    parser.add_argument("--budget-bytes", type=int, default=GPT2_PEER_PEAK_BYTES)
+    parser.add_argument("--activation-budget", type=float, default=1.0, help="the torch.compile peer's")
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--time-limit", type=float, default=25.0, help="CP-SAT seconds per solve")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = WORKLOADS[args.workload]
+    model, call_args, call_kwargs = spec.build(False)
+    state = model.state_dict()
+
+    runners = {}
+    for name in VARIANTS:
+        fresh = spec.build(False)[0]
+        fresh.load_state_dict(state)
+        runners[name] = (list(fresh.parameters()), remat_compiler.compile(
+            fresh, args.budget_bytes, backend="inductor", hold_outputs=False, time_limit_s=args.time_limit))
+    peer = pytorch_runner(spec, False, args.activation_budget, backend="inductor")
+    runners["torch.compile"] = (peer.params, peer.module)
+
+    def step(name: str) -> float:
+        params, module = runners[name]
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        compute_loss(None, module(*call_args, **call_kwargs)).backward()
+        return time.perf_counter() - t0
+
+    compile_s = {}
+    for name in runners:
+        with variant(name) if name in VARIANTS else contextlib.nullcontext():
+            compile_s[name] = step(name)
+        step(name)
+    times = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name in runners:
+            times[name].append(step(name))
+
+    print(f"{args.workload}, budget {args.budget_bytes} bytes, torch.compile at activation_memory_budget "
+          f"{args.activation_budget}, {args.rounds} rounds, {args.threads} torch threads\n")
+    print("| runner | recomputed | fused recompute | plan peak (bytes) | walk = first step (bytes) | step (ms) "
+          "| vs peer | first call (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    peer_times = times["torch.compile"]
+    for name, (_, module) in runners.items():
+        planned = getattr(module, "planned", None)
+        if planned is None:
+            cells = ["-", "-", "-", "-"]
+        else:
+            fused = len(planned.plan.extras.get("inductor_fused_recompute", []))
+            walk = planned.compiled.peak_bytes if planned.compiled is not None else "-"
+            first = planned.first_step_bytes
+            cells = [str(len(planned.plan.recomputed)), str(fused), str(planned.plan.peak_bytes),
+                     f"{walk}" if walk == first else f"{walk} / {first}"]
+        ratio = statistics.median(a / b for a, b in zip(times[name], peer_times))
+        print(f"| {name} | {' | '.join(cells)} | {1000 * statistics.median(times[name]):.1f} | {ratio:.4f} "
+              f"| {compile_s[name]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
