@@ -18,6 +18,8 @@ re-plans (or falls back to the eager backend, warning) when it exceeds the budge
 :func:`watch` measures the same thing at run time without reading the code: it registers every buffer
 the wrappers allocate with a :class:`remat_compiler.memory.LiveStorageTracker` (which sees the fallback
 kernels' outputs through the dispatcher), so a test can compare prediction and measurement to the byte.
+:class:`FirstStepCheck` does so on the first step of every plan's code, for the backend: what the walk
+missed is then reported, and re-planned for, rather than run on silently.
 """
 from __future__ import annotations
 
