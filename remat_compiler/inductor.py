@@ -442,7 +442,7 @@ class InductorCompilers:
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         if self._on_first_step is not None:
-            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step)
+            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step, allocator=facts.allocator)
         return self.fw
 
     def backward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
@@ -474,11 +474,16 @@ class FirstStepCheck:
         The forward's outputs that are the caller's (the rest are saved for the backward).
     report : callable
         Called with the measured peak once the first backward has run.
+    allocator : str
+        The :mod:`passes.allocator` model each storage is charged by, the walk's (the cost graph's).
     """
 
     def __init__(self, fw: InductorGraph, bw: InductorGraph, num_fwd_outputs: int,
-                 report: Callable[[int], None]):
+                 report: Callable[[int], None], *, allocator: str = "exact"):
+        from passes.allocator import allocator_named
+
         self.tracker = None  # each forward's own
+        self._allocator = allocator_named(allocator)
         self._fw, self._bw = fw, bw
         self._num_fwd_outputs = num_fwd_outputs
         self._report = report
@@ -489,7 +494,7 @@ class FirstStepCheck:
         from remat_compiler.memory import LiveStorageTracker
 
         if graph is self._fw:  # measured afresh until a backward follows: the step is the last forward's
-            self.tracker = LiveStorageTracker()
+            self.tracker = LiveStorageTracker(allocator=self._allocator)
             with self.tracker, watch(self.tracker, [graph]):
                 out = graph.fn(*args)
             self._num_saved = len(out) - self._num_fwd_outputs

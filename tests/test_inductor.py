@@ -168,6 +168,11 @@ def test_the_first_step_check_measures_the_last_forward_and_the_first_backward()
     assert fw.check is None and bw.check is None
     bw(*fw(x)[1:], torch.ones(10))  # later steps run unmeasured
     assert len(reports) == 1
+    # in the units of the plan's allocator model (CUDA's caching allocator: 512-byte blocks), as the walk
+    inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=reports.append, allocator="cuda_caching")
+    user, saved = fw(x)
+    bw(saved, torch.ones(10))
+    assert reports[1] == 4 * 512
 
 
 # ------------------------------------------------------------------------------------------------
