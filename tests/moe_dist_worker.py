@@ -15,7 +15,8 @@ from torch._functorch.aot_autograd import aot_function
 
 from remat_compiler.moe import MoELayer
 
-__all__ = ["CONFIG", "make_layer", "make_batch", "trace_step", "count_all_to_all", "single_process", "layer_checks"]
+__all__ = ["CONFIG", "make_layer", "make_batch", "trace_step", "count_all_to_all", "run_layer", "single_process",
+           "layer_checks"]
 
 CONFIG = dict(hidden_size=8, ffn_hidden_size=6, num_experts=8, top_k=2, tokens_per_rank=6)
 
@@ -83,16 +84,20 @@ def count_all_to_all(gm) -> int:
     )
 
 
-def single_process(combine: str, world: int) -> dict:
-    """What the ranks must give together: the layer on one process, holding every expert, run on all
-    ranks' tokens; ``{out, x, router, w1, w2}`` as :func:`layer_checks` names them."""
-    x, g = make_batch(world)
-    layer = make_layer(None, combine)
-    x = x.requires_grad_(True)
+def run_layer(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Forward + backward from ``x`` with upstream gradient ``g``: ``{out, x, router, w1, w2}``, the
+    output and the gradients of the input and of every parameter."""
+    x = x.detach().clone().requires_grad_(True)
     out = layer(x)
     out.backward(g)
     return {"out": out.detach(), "x": x.grad, "router": layer.router.linear.weight.grad,
             "w1": layer.gemm1.weight.grad, "w2": layer.gemm2.weight.grad}
+
+
+def single_process(combine: str, world: int) -> dict:
+    """What the ranks must give together: the layer on one process, holding every expert, run on all
+    ranks' tokens (:func:`run_layer`)."""
+    return run_layer(make_layer(None, combine), *make_batch(world))
 
 
 def layer_checks(group, world: int, rank: int) -> dict:
@@ -103,18 +108,9 @@ def layer_checks(group, world: int, rank: int) -> dict:
     rows = slice(rank * CONFIG["tokens_per_rank"], (rank + 1) * CONFIG["tokens_per_rank"])
     results = {}
     for combine in ("autograd", "fused"):
-        layer = make_layer(group, combine)
-        x = x_all[rows].clone().requires_grad_(True)
-        out = layer(x)
-        out.backward(g_all[rows])
-        results[combine] = {
-            "out": out.detach(),
-            "x": x.grad,
-            "router": layer.router.linear.weight.grad,
-            "w1": layer.gemm1.weight.grad,
-            "w2": layer.gemm2.weight.grad,
-        }
-        traced_out, traced_grads, graphs = trace_step(make_layer(group, combine), x, g_all[rows])
+        x, g = x_all[rows], g_all[rows]
+        results[combine] = run_layer(make_layer(group, combine), x, g)
+        traced_out, traced_grads, graphs = trace_step(make_layer(group, combine), x, g)
         results[combine]["traced"] = {"out": traced_out, **traced_grads}
         results[combine]["a2a_nodes"] = {k: count_all_to_all(gm) for k, gm in graphs.items()}
     try:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_dist_worker
+from moe_dist_worker import run_layer
 from remat_compiler.errors import ExpertCapacityError
 from remat_compiler.moe import MoELayer, fused_combine, layer as layer_module
 
@@ -34,15 +35,6 @@ def layer_params(layer):
         "w1": layer.gemm1.weight,
         "w2": layer.gemm2.weight,
     }
-
-
-def run_layer(layer, x, g):
-    """Forward + backward; returns output and gradients of input and all parameters."""
-    x = x.clone().requires_grad_(True)
-    out = layer(x)
-    out.backward(g)
-    grads = {name: p.grad for name, p in layer_params(layer).items()}
-    return {"out": out.detach(), "x": x.grad, **grads}
 
 
 def naive_moe(x, router_w, w1, w2, top_k, capacity=None):
