@@ -802,15 +802,13 @@ class CompiledModule(torch.nn.Module):
         spec, why = _fusing(self._spec), None
         over_at = None  # the lowest planning budget whose Inductor code peaked above the budget
         margin = 0  # bytes a walk of this step's code was found to miss (its first step measured)
+        tries = INDUCTOR_REPLANS + 1
         if entry.replan is not None:
             lower, margin, over_at = entry.replan
-            if entry.measured_replans > MEASURED_REPLANS:
-                warnings.warn("backend='inductor': the first step of the re-planned code measured above the "
-                              "budget again. This step runs the eager backend's plan instead (exact, slower)",
-                              RuntimeWarning, stacklevel=5)
-                return self._trace_and_run_eager(entry, inputs)
             spec = dataclasses.replace(spec, budget=parse_budget(max(int(lower), 1)), plan=None, plan_cache=None)
-        for _ in range(INDUCTOR_REPLANS + 1):
+            if entry.measured_replans > MEASURED_REPLANS:
+                why, tries = "the first step of its re-planned code measured above the budget again", 0
+        for _ in range(tries):
             compilers = InductorCompilers(lambda: _inductor_facts(entry.planned, self._spec.budget, margin),
                                           self._first_step_report(entry, margin))
             entry.fn = aot_step(entry.step, self._partition(entry, spec), fw_compiler=compilers.forward,

@@ -32,8 +32,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from passes.allocator import allocator_named
 from passes.storage import strided_span_bytes
 from remat_compiler.emitted import EmittedPeak, held_positions
+from remat_compiler.memory import LiveStorageTracker
 
 __all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", "CompiledOverBudget",
            "FirstStepCheck", "UnreadableCodeError", "compile_graph", "compiled_peak", "watch"]
@@ -361,8 +363,6 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
         If a line of either wrapper is not one the walk understands (the backend then does not
         trust the prediction).
     """
-    from passes.allocator import allocator_named
-
     peak = EmittedPeak()
     mem = _Storages(peak, allocator_named(allocator).charged_bytes)
     fw_inputs = list(fw_gm.graph.find_nodes(op="placeholder"))
@@ -480,8 +480,6 @@ class FirstStepCheck:
 
     def __init__(self, fw: InductorGraph, bw: InductorGraph, num_fwd_outputs: int,
                  report: Callable[[int], None], *, allocator: str = "exact"):
-        from passes.allocator import allocator_named
-
         self.tracker = None  # each forward's own
         self._allocator = allocator_named(allocator)
         self._fw, self._bw = fw, bw
@@ -491,8 +489,6 @@ class FirstStepCheck:
         fw.check = bw.check = self
 
     def run(self, graph: InductorGraph, args: tuple):
-        from remat_compiler.memory import LiveStorageTracker
-
         if graph is self._fw:  # measured afresh until a backward follows: the step is the last forward's
             self.tracker = LiveStorageTracker(allocator=self._allocator)
             with self.tracker, watch(self.tracker, [graph]):
