@@ -369,6 +369,29 @@ def test_a_first_step_measured_above_the_budget_warns_and_the_next_call_plans_un
         _EXCESS.update(bytes=0, at_first_backward=None)
 
 
+def test_a_second_first_step_above_the_budget_runs_the_eager_plan():
+    """Where the re-planned code's first step measures above the budget too, the next call runs the
+    eager backend's plan, saying why."""
+    model, (x,), _ = build_mlp(width=64, depth=4, batch=64, seed=0)
+    model = _Twice(model)
+    budget = 180_000
+    m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
+
+    def over_by_4k():  # this plan's code, 4 KiB above the budget (its walk is known by its backward)
+        return max(_EXCESS["bytes"], budget - m.planned.compiled.peak_bytes + 4096)
+    try:
+        for _ in range(2):  # the first plan, then the re-planned one
+            _EXCESS["at_first_backward"] = over_by_4k
+            with pytest.warns(RuntimeWarning, match="The next call plans this step again"):
+                m(x).backward()
+            assert m.planned.backend == "inductor" and m.planned.first_step_bytes > budget
+        with pytest.warns(RuntimeWarning, match="re-planned code measured above the budget again"):
+            m(x).backward()
+        assert m.planned.backend == "eager"
+    finally:
+        _EXCESS.update(bytes=0, at_first_backward=None)
+
+
 def test_an_unknown_backend_is_refused_naming_the_choices():
     model, _, _ = _mlp_case()
     with pytest.raises(ValueError, match="'eager'.*'inductor'"):
