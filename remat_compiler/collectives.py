@@ -1,12 +1,14 @@
-"""The gloo workaround in emitted graphs: free a collective's inputs where the plan frees them.
+"""The gloo workaround in emitted graphs: free a collective's tensors where the plan frees them.
 
 A functional collective's work object (gloo runs it on a background thread) holds the collective's
-inputs until that thread lets go of it, which can be a few ops after ``wait_tensor`` returns on a busy
-machine. So that memory is the plan's, not the scheduler's, :func:`release_after_waits` follows each
-``wait_tensor`` with :func:`release_collective_inputs`, which holds the inputs until the work has
-dropped them; they are freed right there. A ``wait_tensor`` follows its collective directly and
-allocates nothing, so the live bytes the plan predicts do not change; a saved collective result is
-saved as waited for, so its wait (and the release) stay in the forward.
+inputs and its result until that thread lets go of it, which can be a few ops after ``wait_tensor``
+returns on a busy machine (the work object and its future are dropped separately, so the inputs can be
+let go of before the result). So that memory is the plan's, not the scheduler's,
+:func:`release_after_waits` follows each ``wait_tensor`` with :func:`release_collective_inputs`, which
+holds the inputs and the result until the work has dropped them; each is then freed where the graph
+drops it. A ``wait_tensor`` follows its collective directly and allocates nothing, so the live bytes
+the plan predicts do not change; a saved collective result is saved as waited for, so its wait (and the
+release) stay in the forward.
 
 The generated code spins: :func:`release_collective_inputs` busy-waits (``time.sleep(0)`` between
 polls of the reference counts) for at most :data:`RELEASE_TIMEOUT_S` after each wait, on CPU tensors
@@ -35,14 +37,22 @@ def _refs(t: torch.Tensor) -> tuple[int, int]:
     return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def use_counts(*tensors: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """References to each tensor and its storage before a collective is issued on it (the graph's own)."""
-    return tuple(_refs(t) for t in tensors)
+#: The references a collective's fresh result has once its work has let go, right after its wait (no
+#: views of it yet): the graph's one tensor object, and for its storage that tensor and the storage
+#: object :func:`_refs` looks through.
+FRESH_RESULT = (1, 2)
+
+
+def use_counts(*tensors: torch.Tensor, results: int = 0) -> tuple[tuple[int, int], ...]:
+    """References to each tensor and its storage before a collective is issued on it (the graph's own),
+    then :data:`FRESH_RESULT` for each of the ``results`` tensors the collective allocates."""
+    return tuple(_refs(t) for t in tensors) + (FRESH_RESULT,) * results
 
 
 def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: torch.Tensor) -> None:
     """Spin (busy-wait, at most RELEASE_TIMEOUT_S) until no collective work holds ``tensors`` any more:
-    their reference counts are back to ``counts``, taken before the collective was issued.
+    their reference counts are back to ``counts`` (:func:`use_counts`: taken before the collective was
+    issued, and :data:`FRESH_RESULT` for a result the collective allocated).
 
     CPU tensors only (gloo); on an accelerator the caching allocator and stream order decide when
     memory is reused, and its backends keep work objects for their own bookkeeping.
@@ -58,16 +68,24 @@ def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: tor
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
     while any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs)):
         if time.monotonic() > deadline:
-            warnings.warn(f"a collective's input was still held {RELEASE_TIMEOUT_S} s after its wait; "
-                          "the step may peak above the plan by that input's size", RuntimeWarning,
+            warnings.warn(f"a collective's tensor was still held {RELEASE_TIMEOUT_S} s after its wait; "
+                          "the step may peak above the plan by that tensor's size", RuntimeWarning,
                           stacklevel=2)
             return
         time.sleep(0)
 
 
+def _allocates_result(coll: fx.Node) -> bool:
+    """True when the collective returns a tensor of its own (functional collectives), not one of its
+    inputs written in place (whose count the inputs' already cover)."""
+    schema = getattr(coll.target, "_schema", None)
+    return (schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is None
+            and str(schema.returns[0].type) == "Tensor")
+
+
 def release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
-    """After each ``wait_tensor`` of a collective, hold the collective's tensor inputs until its work
-    has released them (see the module docstring). Rewrites ``gm`` in place and returns it."""
+    """After each ``wait_tensor`` of a collective, hold the collective's tensor inputs and its result
+    until its work has released them (see the module docstring). Rewrites ``gm`` in place and returns it."""
     changed = False
     for w in list(gm.graph.nodes):
         if not is_wait(w) or not isinstance(w.args[0], fx.Node):
@@ -76,10 +94,11 @@ def release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
         inputs = [a for a in coll.all_input_nodes if a.op != "get_attr"]
         if coll.op != "call_function" or not inputs:
             continue
+        results = [w] if _allocates_result(coll) else []
         with gm.graph.inserting_before(coll):
-            counts = gm.graph.call_function(use_counts, tuple(inputs))
+            counts = gm.graph.call_function(use_counts, tuple(inputs), {"results": len(results)})
         with gm.graph.inserting_after(w):
-            gm.graph.call_function(release_collective_inputs, (counts, *inputs))
+            gm.graph.call_function(release_collective_inputs, (counts, *inputs, *results))
         changed = True
     if changed:
         gm.graph.lint()
@@ -88,12 +107,15 @@ def release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 # The same two steps as operators, for a compiler that lowers only operators (Inductor runs them as
-# fallback kernels, in place, with their tensors alive up to the release): the counts travel as an
-# int64 tensor, and the release is declared to write its tensors so that it is neither dropped nor
-# moved before the wait.
-@torch.library.custom_op("remat::collective_refs", mutates_args=())
+# fallback kernels, in place, with their tensors alive up to the release). Both are declared to write
+# their tensors, so that neither is dropped or moved across the collective and its wait, and so that a
+# call of either holds the same references of its own to each tensor of its list (three in torch 2.13's
+# grad mode): counts taken inside one compare with counts taken inside the other. The counts travel as
+# an int64 tensor, first in the release's list; made by the first operator and held by one variable,
+# it is also the measure of a fresh result (FRESH_RESULT's one tensor reference, plus the call's).
+@torch.library.custom_op("remat::collective_refs", mutates_args=("tensors",))
 def _collective_refs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.tensor([_refs(t) for t in tensors], dtype=torch.int64).reshape(len(tensors), 2)
+    return torch.tensor(use_counts(*tensors), dtype=torch.int64).reshape(len(tensors), 2)
 
 
 @_collective_refs.register_fake
@@ -102,8 +124,11 @@ def _(tensors):
 
 
 @torch.library.custom_op("remat::release_collective_inputs", mutates_args=("tensors",))
-def _release(counts: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    release_collective_inputs(tuple(tuple(int(c) for c in row) for row in counts.tolist()), *tensors)
+def _release(tensors: list[torch.Tensor]) -> None:
+    counts, held = tensors[0], tensors[1:]
+    rows = tuple((c, s) for c, s in counts.tolist())
+    fresh = (counts._use_count(), FRESH_RESULT[1])  # as FRESH_RESULT, with this call's references
+    release_collective_inputs(rows + (fresh,) * (len(held) - len(rows)), *held)
 
 
 def as_library_ops(gm: fx.GraphModule) -> fx.GraphModule:
@@ -115,13 +140,13 @@ def as_library_ops(gm: fx.GraphModule) -> fx.GraphModule:
         if n.op != "call_function" or n.target not in (use_counts, release_collective_inputs):
             continue
         if n.target is use_counts:
-            n.target, n.args = torch.ops.remat.collective_refs.default, (list(n.args),)
+            n.target, n.args, n.kwargs = torch.ops.remat.collective_refs.default, (list(n.args),), {}
             fake = n.args[0][0].meta.get("val") if n.args[0] else None
             if fake is not None:
                 with fake.fake_mode:
                     n.meta["val"] = torch.empty((len(n.args[0]), 2), dtype=torch.int64)
         else:
-            n.target, n.args = torch.ops.remat.release_collective_inputs.default, (n.args[0], list(n.args[1:]))
+            n.target, n.args = torch.ops.remat.release_collective_inputs.default, (list(n.args),)
             n.meta["val"] = None
         changed = True
     if changed:

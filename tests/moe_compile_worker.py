@@ -200,7 +200,8 @@ def union_collectives(model, x) -> dict:
 
 def measured_against_plan(group, x, steps: int = 6) -> dict:
     """A CP-SAT plan of the stack with its loss: measured peak of several steps, the predicted peak,
-    and whether every collective's wait in the emitted graphs is followed by the release of its inputs."""
+    and whether every collective's wait in the emitted graphs is followed by the release of its inputs
+    and result."""
     model = MeanSquare(make_model(group))
     # any plan under the budget will do (its measured peak is checked against its prediction)
     compiled = remat_compiler.compile(model, memory_budget=0.8, solver="cpsat", time_limit_s=2, num_workers=1)
@@ -216,7 +217,9 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
     fw, bw = remat_compiler.codegen.emit(compiled.planned.gm, compiled.plan)
     waits = [n for gm in (fw, bw) for n in gm.graph.nodes
              if getattr(n.target, "__name__", "").startswith("wait_tensor")]
-    released = [n.next.target is remat_compiler.collectives.release_collective_inputs for n in waits]
+    # each wait is followed by the release of its collective's inputs and of the result it waited for
+    released = [n.next.target is remat_compiler.collectives.release_collective_inputs and n in n.next.args
+                for n in waits]
     return {"peaks": peaks[1:], "predicted": compiled.plan.peak_bytes, "waits": len(waits),
             "released": all(released), "budget": compiled.plan.budget_bytes, "combine": combines(compiled)}
 

@@ -303,13 +303,15 @@ def test_expert_parallel_strategies(ep_ranks):
         # every rank traced those combines (the digests above: the same plan)
         _assert_chosen(cp["combine"], res["measured"]["combine"], label=f"rank {r}")
         assert cp["combine"] == ranks[0]["plans"]["cpsat"]["combine"]
-        # every step measures the predicted peak: a collective's inputs are released at a planned
-        # point (after its wait), not whenever gloo's worker thread lets go of its work
+        # every step measures the predicted peak: a collective's inputs and result are released at a
+        # planned point (after its wait), not whenever gloo's worker thread lets go of its work
         m = res["measured"]
         assert m["waits"] >= 4 * CFG["num_layers"] and m["released"]  # 2 all-to-alls a layer, fw and bw
-        # Most steps measure the prediction exactly. Under this test's load about one step in ten on
-        # one rank measures 18,816 bytes more (cause not found: the collective inputs are released
-        # by then); never less, and never more than that.
+        # Most steps measure the prediction exactly. Before the results were released too, about one
+        # step in ten here measured an all-to-all's result more (gloo's thread dropped it last). Now
+        # about one step in 500 on a loaded machine still does (measured with moe_peak_worker's
+        # shapes: the result is freed by gloo's thread though its counts were back after the wait;
+        # cause not found); never less, and never more than that.
         peaks = m["peaks"]
         assert sorted(peaks)[len(peaks) // 2] == m["predicted"] <= m["budget"], (r, m)
         assert all(m["predicted"] <= p <= m["predicted"] + 32 * 1024 for p in peaks), (r, m)
@@ -502,6 +504,100 @@ def test_mixtral_plans_match_eager():
     # CP-SAT at the hand-picked strategies' peaks (the MoE table's comparisons): below fast's, and at origin's
     for budget in (fast - 1, origin):
         run("cpsat", budget)
+
+
+def test_release_waits_until_the_work_lets_go_of_a_collective_result():
+    """A collective's result is the graph's alone once its work lets go: release_collective_inputs
+    returns only then (a fresh result's count is FRESH_RESULT, not taken before the collective, which
+    allocates it)."""
+    import threading
+    import time
+    import warnings
+
+    from remat_compiler import collectives
+
+    result = torch.zeros(1024)  # as a collective allocates it
+    counts = collectives.use_counts(results=1)
+    assert counts == (collectives.FRESH_RESULT,) == (collectives._refs(result),)
+    work = {"view": result.view(32, 32), "dropped": False}  # the work object's reference
+
+    def drop_later():
+        time.sleep(0.02)
+        work["dropped"] = True
+        work["view"] = None
+
+    t = threading.Thread(target=drop_later)
+    t.start()
+    collectives.release_collective_inputs(counts, result)
+    assert work["dropped"]
+    t.join()
+    keep = result.view(32, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        collectives.release_collective_inputs(counts, result)
+    assert keep is not None and any("still held" in str(w.message) for w in caught)
+
+
+def test_release_after_waits_holds_a_functional_collectives_inputs_and_result():
+    """The pass follows each wait with the release of the collective's inputs and, when the collective
+    allocates its result (all_to_all_single), of that result; an in-place collective's result is its
+    input, already counted. The Inductor form carries the same rows."""
+    import torch.fx as fx
+
+    from remat_compiler import collectives
+
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a2a = g.call_function(c10d.all_to_all_single.default, (x, [2, 2], [2, 2], "0"))
+    waited = g.call_function(c10d.wait_tensor.default, (a2a,))
+    red = g.call_function(c10d.all_reduce_.default, (waited, "sum", "0"))
+    reduced = g.call_function(c10d.wait_tensor.default, (red,))
+    g.output(reduced)
+    gm = collectives.release_after_waits(fx.GraphModule(torch.nn.Module(), g))
+    releases = [n for n in gm.graph.nodes if n.target is collectives.release_collective_inputs]
+    assert [n.prev for n in releases] == [waited, reduced]
+    assert [n.args[1:] for n in releases] == [(x, waited), (waited,)]
+    assert [n.args[0].kwargs["results"] for n in releases] == [1, 0]
+    assert [n.args[0].next for n in releases] == [a2a, red]  # counted before the collective is issued
+    collectives.as_library_ops(gm)
+    refs = [n for n in gm.graph.nodes if n.target is torch.ops.remat.collective_refs.default]
+    assert [n.args for n in refs] == [([x],), ([waited],)]
+    releases = [n for n in gm.graph.nodes if n.target is torch.ops.remat.release_collective_inputs.default]
+    assert [n.args for n in releases] == [([refs[0], x, waited],), ([refs[1], waited],)]
+
+
+def test_the_release_operators_wait_for_the_work_and_only_for_it():
+    """The operator form (what Inductor's code calls): counts taken inside one operator compare with
+    counts taken inside the other, so a release whose tensors nothing else holds returns at once,
+    without the 'still held' warning, and one whose input or fresh result the work still holds
+    returns once the work lets go."""
+    import threading
+    import time
+    import warnings
+
+    ops = torch.ops.remat
+    x = torch.zeros(8)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("error")  # a 'still held' warning fails the test
+            counts = ops.collective_refs.default([x])
+            result = torch.zeros(4)  # allocated by the collective
+            ops.release_collective_inputs.default([counts, x, result])
+            for held in (x, result):
+                counts = ops.collective_refs.default([x])
+                work = {"view": held.view(-1), "dropped": False}
+
+                def drop_later(work=work):
+                    time.sleep(0.02)
+                    work["dropped"] = True
+                    work["view"] = None
+
+                t = threading.Thread(target=drop_later)
+                t.start()
+                ops.release_collective_inputs.default([counts, x, result])
+                assert work["dropped"], (grad, held.shape)
+                t.join()
 
 
 def test_release_waits_until_another_holder_lets_go_of_a_collective_input():
