@@ -13,7 +13,8 @@ the dropless checks of :func:`moe_uneven_worker.uneven_checks` (uneven splits, i
 that they pay for no spawn of their own), and (on 2 ranks) the combine choice of a stack without an
 expert-parallel group (:func:`choice_on_ranks`), the bare layer's checks against one process
 (:func:`moe_dist_worker.layer_checks`, for tests/test_moe_layer.py's concerns) and (on 2 ranks)
-moe_custom's peak against moe_fast's (:func:`moe_peak_worker.run_shape` on its ``RANK_SHAPES``), to
+moe_custom's peak against moe_fast's (:func:`moe_peak_worker.run_shape` on its ``RANK_SHAPES``), and
+(on 2 ranks) the stack under ``backend="inductor"`` (:func:`inductor_on_ranks`), to
 ``out_dir/rank{r}.pt``. One job per world size: each spawn of gloo ranks costs seconds of start-up.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch
 import torch._functorch.partitioners
@@ -151,6 +153,39 @@ class MeanSquare(nn.Module):
         return self.inner(x).pow(2).mean()
 
 
+def inductor_on_ranks(group, x) -> dict:
+    """The stack with its loss inside under ``backend="inductor"`` (the all-to-alls and their releases
+    run in Inductor's code): this rank's gradients and eager's, what it runs as, the budget, the walk of
+    Inductor's code, the measured peak of a second step with Inductor's buffers watched, the first
+    step's own check, and the warnings of the whole run."""
+    from remat_compiler.inductor import watch
+
+    model = MeanSquare(make_model(group))
+
+    def step(module, params=model, xx=None):
+        xx = x.detach().clone().requires_grad_(True) if xx is None else xx
+        module(xx).backward()
+        return {"x": xx.grad, **{n: p.grad for n, p in params.named_parameters()}}
+
+    reference = MeanSquare(make_model(group))
+    eager = step(reference, reference)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = remat_compiler.compile(model, memory_budget=0.9, backend="inductor", time_limit_s=2,
+                                          num_workers=1)
+        grads = step(compiled)  # traces, plans and compiles
+        for p in model.parameters():
+            p.grad = None
+        xx = x.detach().clone().requires_grad_(True)  # made before the step, as the first step's was
+        tracker = LiveStorageTracker()
+        with tracker, watch(tracker, compiled.planned.inductor):
+            step(compiled, xx=xx)
+    planned = compiled.planned
+    return {"eager": eager, "grads": grads, "runs as": planned.backend, "budget": compiled.plan.budget_bytes,
+            "walked": planned.compiled.peak_bytes if planned.compiled else None, "measured": tracker.peak_bytes,
+            "first step": planned.first_step_bytes, "warnings": [str(w.message) for w in caught]}
+
+
 def choice_on_ranks(x, g) -> dict:
     """The default compile of a stack without an expert-parallel group on every rank: rank 0 chooses
     each layer's combine and broadcasts it, every rank traces those combines and runs rank 0's plan.
@@ -250,6 +285,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                     "measured": measured_against_plan(group, x),
                     "uneven": moe_uneven_worker.uneven_checks(group, world, rank),
                     "choice": choice_on_ranks(x, g) if world == 2 else None,
+                    "inductor": inductor_on_ranks(group, x) if world == 2 else None,
                     "layer": moe_dist_worker.layer_checks(group, world, rank),
                     "custom_peak": [moe_peak_worker.run_shape(shape, group, world, rank)
                                     for shape in moe_peak_worker.RANK_SHAPES] if world == 2 else None,
