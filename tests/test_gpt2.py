@@ -10,7 +10,7 @@ from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 pytest.importorskip("transformers")
-TIME_LIMIT_S = 4
+TIME_LIMIT_S = 2
 
 
 def _measured_step(model, call, loss_fn):
