@@ -250,9 +250,9 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two
   ranks' (both are noted when they differ), FLOPs are summed over ranks, and a step takes as long as the
   slower rank. gloo runs each all-to-all on a background thread whose work object holds the
-  collective's input until that thread lets go of it, a few ops after the wait on a loaded machine; the
-  emitted code therefore holds the input after each wait until the work has released it
-  (`remat_compiler.collectives.release_collective_inputs`), so that it is freed where the plan frees it.
+  collective's input and its result until that thread lets go of it, a few ops after the wait on a loaded
+  machine; the emitted code therefore holds both after each wait until the work has released them
+  (`remat_compiler.collectives.release_collective_inputs`), so that each is freed where the plan frees it.
   Eager, checkpoint and torch.compile rows have no such release, and their ranks can differ.
 
 Sizes are in MiB (2^20 bytes). Issue 5's reference figures, written "MB", are in this unit: its eager
