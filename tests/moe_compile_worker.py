@@ -52,11 +52,11 @@ TIMEOUT_S = 120
 SLOW_LINK, FAST_LINK = 1.0e6, 1.0e9  # bytes/s, for the communication-cost check
 
 
-def make_model(group=None) -> MoEStack:
+def make_model(group=None, num_layers: int = CONFIG["num_layers"]) -> MoEStack:
     """The test stack in float64, built from seed 0 (each rank keeps its experts of the same stack)."""
     torch.manual_seed(0)
     cfg = CONFIG
-    model = MoEStack(cfg["num_layers"], cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["num_experts"],
+    model = MoEStack(num_layers, cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["num_experts"],
                      cfg["top_k"], group=group)
     return model.double()
 
@@ -154,24 +154,25 @@ class MeanSquare(nn.Module):
 
 
 def inductor_on_ranks(group, x) -> dict:
-    """The stack with its loss inside under ``backend="inductor"`` (the all-to-alls and their releases
-    run in Inductor's code): this rank's gradients and eager's, what it runs as, the budget, the walk of
-    Inductor's code, the measured peak of a second step with Inductor's buffers watched, the first
-    step's own check, and the warnings of the whole run."""
+    """A one-layer stack with its loss inside under ``backend="inductor"`` (the all-to-alls and their
+    releases run in Inductor's code; one layer: Inductor's compile time grows with the graph): this
+    rank's gradients and eager's, what it runs as, the budget, the walk of Inductor's code, the
+    measured peak of a second step with Inductor's buffers watched, the first step's own check, and
+    the warnings of the whole run."""
     from remat_compiler.inductor import watch
 
-    model = MeanSquare(make_model(group))
+    model = MeanSquare(make_model(group, num_layers=1))
 
     def step(module, params=model, xx=None):
         xx = x.detach().clone().requires_grad_(True) if xx is None else xx
         module(xx).backward()
         return {"x": xx.grad, **{n: p.grad for n, p in params.named_parameters()}}
 
-    reference = MeanSquare(make_model(group))
+    reference = MeanSquare(make_model(group, num_layers=1))
     eager = step(reference, reference)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = remat_compiler.compile(model, memory_budget=0.9, backend="inductor", time_limit_s=2,
+        compiled = remat_compiler.compile(model, memory_budget=0.9, backend="inductor", time_limit_s=1,
                                           num_workers=1)
         grads = step(compiled)  # traces, plans and compiles
         for p in model.parameters():
