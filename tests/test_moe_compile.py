@@ -526,20 +526,13 @@ def test_mixtral_plans_match_eager():
         run("cpsat", budget)
 
 
-def test_release_waits_until_the_work_lets_go_of_a_collective_result():
-    """A collective's result is the graph's alone once its work lets go: release_collective_inputs
-    returns only then (a fresh result's count is FRESH_RESULT, not taken before the collective, which
-    allocates it)."""
+def _waits_for_the_work(release, tensor: torch.Tensor) -> bool:
+    """Hold a view of ``tensor`` (a reference, as gloo's work object holds one) and drop it from another
+    thread 20 ms later: whether ``release()`` returned only after the drop."""
     import threading
     import time
-    import warnings
 
-    from remat_compiler import collectives
-
-    result = torch.zeros(1024)  # as a collective allocates it
-    counts = collectives.use_counts(results=1)
-    assert counts == (collectives.FRESH_RESULT,) == (collectives._refs(result),)
-    work = {"view": result.view(32, 32), "dropped": False}  # the work object's reference
+    work = {"view": tensor.view(-1), "dropped": False}
 
     def drop_later():
         time.sleep(0.02)
@@ -548,14 +541,54 @@ def test_release_waits_until_the_work_lets_go_of_a_collective_result():
 
     t = threading.Thread(target=drop_later)
     t.start()
-    collectives.release_collective_inputs(counts, result)
-    assert work["dropped"]
+    release()
+    dropped = work["dropped"]
     t.join()
-    keep = result.view(32, 32)
+    return dropped
+
+
+@pytest.mark.parametrize("kind", ["input", "result"])
+def test_release_waits_until_the_work_lets_go_of_a_collective_tensor(kind):
+    """release_collective_inputs returns only once the work's references are gone (as gloo's worker
+    thread drops its work object), and warns instead of hanging if they never are. An input comes back
+    to the counts use_counts took before the collective; a result the collective allocated, to
+    FRESH_RESULT (the graph's one reference)."""
+    import warnings
+
+    from remat_compiler import collectives
+
+    x = torch.zeros(1024)
+    counts = collectives.use_counts(x) if kind == "input" else collectives.use_counts(results=1)
+    if kind == "result":
+        assert counts == (collectives.FRESH_RESULT,) == (collectives._refs(x),)
+    assert _waits_for_the_work(lambda: collectives.release_collective_inputs(counts, x), x)
+    keep = x.view(32, 32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        collectives.release_collective_inputs(counts, result)
+        collectives.release_collective_inputs(counts, x)
     assert keep is not None and any("still held" in str(w.message) for w in caught)
+
+
+def test_the_release_operators_wait_for_the_work_and_only_for_it():
+    """The operator form (what Inductor's code calls): counts taken inside one operator compare with
+    counts taken inside the other, so a release whose tensors nothing else holds returns at once,
+    without the 'still held' warning, and one whose input or fresh result the work still holds
+    returns once the work lets go."""
+    import warnings
+
+    ops = torch.ops.remat
+    x = torch.zeros(8)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("error")  # a 'still held' warning fails the test
+            counts = ops.collective_refs.default([x])
+            result = torch.zeros(4)  # allocated by the collective
+            ops.release_collective_inputs.default([counts, x, result])
+            for held in (x, result):
+                counts = ops.collective_refs.default([x])
+                assert _waits_for_the_work(lambda: ops.release_collective_inputs.default([counts, x, result]),
+                                           held), (grad, held.shape)
+
 
 
 def test_release_after_waits_holds_a_functional_collectives_inputs_and_result():
@@ -587,64 +620,3 @@ def test_release_after_waits_holds_a_functional_collectives_inputs_and_result():
     assert [n.args for n in releases] == [([refs[0], x, waited],), ([refs[1], waited],)]
 
 
-def test_the_release_operators_wait_for_the_work_and_only_for_it():
-    """The operator form (what Inductor's code calls): counts taken inside one operator compare with
-    counts taken inside the other, so a release whose tensors nothing else holds returns at once,
-    without the 'still held' warning, and one whose input or fresh result the work still holds
-    returns once the work lets go."""
-    import threading
-    import time
-    import warnings
-
-    ops = torch.ops.remat
-    x = torch.zeros(8)
-    for grad in (True, False):
-        with torch.set_grad_enabled(grad), warnings.catch_warnings():
-            warnings.simplefilter("error")  # a 'still held' warning fails the test
-            counts = ops.collective_refs.default([x])
-            result = torch.zeros(4)  # allocated by the collective
-            ops.release_collective_inputs.default([counts, x, result])
-            for held in (x, result):
-                counts = ops.collective_refs.default([x])
-                work = {"view": held.view(-1), "dropped": False}
-
-                def drop_later(work=work):
-                    time.sleep(0.02)
-                    work["dropped"] = True
-                    work["view"] = None
-
-                t = threading.Thread(target=drop_later)
-                t.start()
-                ops.release_collective_inputs.default([counts, x, result])
-                assert work["dropped"], (grad, held.shape)
-                t.join()
-
-
-def test_release_waits_until_another_holder_lets_go_of_a_collective_input():
-    """release_collective_inputs returns only once references taken after use_counts are gone (as
-    gloo's worker thread drops its work object), and warns instead of hanging if they never are."""
-    import threading
-    import time
-    import warnings
-
-    from remat_compiler import collectives
-
-    x = torch.zeros(1024)
-    counts = collectives.use_counts(x)
-    held = {"view": x.view(32, 32), "dropped": False}  # a view holds a reference to x, like a work object
-
-    def drop_later():
-        time.sleep(0.02)
-        held["dropped"] = True
-        held["view"] = None
-
-    t = threading.Thread(target=drop_later)
-    t.start()
-    collectives.release_collective_inputs(counts, x)
-    assert held["dropped"]
-    t.join()
-    keep = x.view(32, 32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        collectives.release_collective_inputs(counts, x)
-    assert keep is not None and any("still held" in str(w.message) for w in caught)
