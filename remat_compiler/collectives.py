@@ -2,8 +2,8 @@
 
 A functional collective's work object (gloo runs it on a background thread) holds the collective's
 inputs and its result until that thread lets go of it, which can be a few ops after ``wait_tensor``
-returns on a busy machine (the work object and its future are dropped separately, so the inputs can be
-let go of before the result). So that memory is the plan's, not the scheduler's,
+returns on a busy machine (on 2 gloo ranks the result was seen held after the inputs were let go of,
+freed later by gloo's thread). So that memory is the plan's, not the scheduler's,
 :func:`release_after_waits` follows each ``wait_tensor`` with :func:`release_collective_inputs`, which
 holds the inputs and the result until the work has dropped them; each is then freed where the graph
 drops it. A ``wait_tensor`` follows its collective directly and allocates nothing, so the live bytes
