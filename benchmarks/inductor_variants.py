@@ -88,14 +88,13 @@ def main(argv=None) -> None:
     model, call_args, call_kwargs = spec.build(False)
     state = model.state_dict()
 
-    runners, built_as = {}, {}
-    planned_under = {name: (name, args.budget_bytes) for name in VARIANTS}
+    runners = {}
+    planned_under = {name: (name, args.budget_bytes) for name in VARIANTS}  # runner -> (variant, budget)
     for mib in args.above:
         planned_under[f"as built, +{mib:g} MiB"] = ("as built", args.budget_bytes + round(mib * 2**20))
-    for name, (kind, budget) in planned_under.items():
+    for name, (_, budget) in planned_under.items():
         fresh = spec.build(False)[0]
         fresh.load_state_dict(state)
-        built_as[name] = kind
         runners[name] = (list(fresh.parameters()), remat_compiler.compile(
             fresh, budget, backend="inductor", hold_outputs=False, time_limit_s=args.time_limit))
     peer = pytorch_runner(spec, False, args.activation_budget, backend="inductor")
@@ -111,7 +110,7 @@ def main(argv=None) -> None:
 
     compile_s = {}
     for name in runners:
-        with variant(built_as[name]) if name in built_as else contextlib.nullcontext():
+        with variant(planned_under[name][0]) if name in planned_under else contextlib.nullcontext():
             compile_s[name] = step(name)
         step(name)
     times = {name: [] for name in runners}

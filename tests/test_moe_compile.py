@@ -590,7 +590,6 @@ def test_the_release_operators_wait_for_the_work_and_only_for_it():
                                            held), (grad, held.shape)
 
 
-
 def test_release_after_waits_holds_a_functional_collectives_inputs_and_result():
     """The pass follows each wait with the release of the collective's inputs and, when the collective
     allocates its result (all_to_all_single), of that result; an in-place collective's result is its
@@ -618,5 +617,3 @@ def test_release_after_waits_holds_a_functional_collectives_inputs_and_result():
     assert [n.args for n in refs] == [([x],), ([waited],)]
     releases = [n for n in gm.graph.nodes if n.target is torch.ops.remat.release_collective_inputs.default]
     assert [n.args for n in releases] == [([refs[0], x, waited],), ([refs[1], waited],)]
-
-
