@@ -1,6 +1,7 @@
 """Graph passes: steps ``GraphModule -> GraphModule`` that talk only through ``meta["remat.*"]`` keys.
 
-:data:`PASSES` is the whole list, in order. The first three rewrite the graph: dead code goes, then
+:data:`PASSES` is the whole list, in order. The first four rewrite the graph: dead code goes, repeated
+index work is merged (:func:`merge_repeated_index_work`), then
 :func:`passes.rng.replayable_dropout` makes dropout replay its RNG state where it is recomputed, and
 :func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward into one op (it
 holds two logits-sized tensors instead of three). The rest only annotate. Every key the passes write
@@ -10,7 +11,7 @@ Each pass changes the GraphModule it is given, in place, and returns it.
 
 >>> gm = run_passes(traced.joint, num_fwd_outputs=traced.num_fwd_outputs, dump_dir="passes")  # doctest: +SKIP
 >>> sorted(os.listdir("passes"))[:2]                                                          # doctest: +SKIP
-['00_eliminate_dead_code.txt', '01_replayable_dropout.txt']
+['00_eliminate_dead_code.txt', '01_merge_repeated_index_work.txt']
 """
 from __future__ import annotations
 
@@ -18,19 +19,21 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
 from passes.files import atomic_write_text
-from passes.keys import PREFIX
+from passes.keys import PREFIX, TRACE_MODULE
 from passes.loss import fuse_cross_entropy_backward
 from passes.moe import tag_moe_segments
-from passes.phases import annotate_phases
+from passes.phases import annotate_phases, forward_nodes
 from passes.rng import replayable_dropout
 from passes.storage import annotate_storage, calibrate_scalar_storage
 
-__all__ = ["run_passes", "PASSES", "Pass", "CostModel", "eliminate_dead_code", "annotate_phases",
+__all__ = ["run_passes", "PASSES", "Pass", "CostModel", "eliminate_dead_code", "merge_repeated_index_work",
+           "annotate_phases",
            "annotate_storage", "calibrate_scalar_storage", "annotate_costs", "annotate_blocks",
            "tag_moe_segments", "fuse_cross_entropy_backward", "replayable_dropout"]
 
@@ -38,6 +41,66 @@ __all__ = ["run_passes", "PASSES", "Pass", "CostModel", "eliminate_dead_code", "
 def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
     """Remove nodes nobody reads (fx's rule: impure nodes, such as collectives, stay); recompile if any."""
     if gm.graph.eliminate_dead_code():
+        gm.recompile()
+    return gm
+
+
+def _merges(node: fx.Node) -> bool:
+    """Whether a node may stand for its duplicates: a pure op (not impure by fx's rule, which counts
+    mutations, side effects and random draws), not a collective, and not ``empty`` (uninitialized
+    memory; ``fx_graph_cse`` leaves it too)."""
+    if node.op != "call_function" or node.is_impure():
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet not in (torch.ops.aten.empty, torch.ops.aten.new_empty, torch.ops.aten.empty_like,
+                          torch.ops.aten.empty_strided) and "c10d" not in getattr(node.target, "namespace", "")
+
+
+def _index_work(gm: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
+    """The forward's nodes computed from integer and boolean inputs and constants alone: positions,
+    masks, indices: no gradient flows through them."""
+    forward = forward_nodes(gm.graph, num_fwd_outputs)
+    work: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+                work.add(n)
+        elif n in forward and _merges(n) and all(a in work for a in n.all_input_nodes):
+            work.add(n)
+    return work
+
+
+def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
+    """Merge the forward's nodes that repeat index work (same op on the same integer-derived inputs)
+    into their first occurrence; recompile if any went.
+
+    A traced Hugging Face decoder builds its attention mask from index arithmetic that the trace
+    repeats (two ``iota`` for one range of positions). With the repeats, Inductor sees a mask read
+    through four buffers and recomputes it inside every layer's softmax kernel; merged, it reads six,
+    writes the mask once and every layer reads it (GPT-2 at width 256, sequence 256, 2 CPU threads:
+    that kernel took 4.1 ms a layer against 1.0). AOTAutograd's own partitioner merges repeats over
+    the whole joint graph (``fx_graph_cse``); this pass merges only what :func:`_index_work`
+    selects, in the forward alone and within one module's call (the trace's ``remat.trace_module``),
+    so a backward never comes to read a forward value it did not read before, and the passes that
+    find repeated layers and MoE segments see each layer as traced (an MoE layer's ``arange`` is not
+    merged into the previous layer's, which would keep it alive across both).
+    """
+    work = _index_work(gm, num_fwd_outputs)
+    first: dict[tuple, fx.Node] = {}
+    merged = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n not in work:
+            continue
+        module = (n.meta.get("custom") or {}).get(TRACE_MODULE)
+        key = (module, n.target, repr(fx.node.map_arg((n.args, n.kwargs), lambda a: a.name)))
+        if key in first:
+            n.replace_all_uses_with(first[key])
+            gm.graph.erase_node(n)
+            merged = True
+        else:
+            first[key] = n
+    if merged:
         gm.recompile()
     return gm
 
@@ -65,6 +128,7 @@ class Pass:
 #: The standard pass list, in the order :func:`run_passes` runs it.
 PASSES: tuple[Pass, ...] = (
     Pass(eliminate_dead_code),
+    Pass(merge_repeated_index_work, ("num_fwd_outputs",)),
     Pass(replayable_dropout),
     Pass(fuse_cross_entropy_backward),
     Pass(annotate_phases, ("num_fwd_outputs",)),

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from passes.keys import INPUT_UPDATES, MUTATED_INPUT, NUM_FWD_OUTPUTS, PHASE
 
-__all__ = ["annotate_phases"]
+__all__ = ["annotate_phases", "forward_nodes"]
 
 
 def _input_update_positions(graph: fx.Graph, output: fx.Node, num_fwd_outputs: int) -> list[int]:
@@ -38,13 +38,11 @@ def _input_update_positions(graph: fx.Graph, output: fx.Node, num_fwd_outputs: i
     return list(range(min(mutated, num_fwd_outputs)))
 
 
-def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
-    """Write ``meta["remat.phase"]`` on every node; also sets ``gm.meta["remat.num_fwd_outputs"]`` and
-    ``gm.meta["remat.input_updates"]``."""
-    graph = gm.graph
+def forward_nodes(graph: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:
+    """The nodes the forward must run to produce its outputs (the joint graph's first
+    ``num_fwd_outputs``), with the other outputs of its multi-output ops: the "fw" phase."""
     output = next(iter(graph.find_nodes(op="output")))
-    outs = list(output.args[0])
-    fw_outputs = [o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    fw_outputs = [o for o in list(output.args[0])[:num_fwd_outputs] if isinstance(o, fx.Node)]
     needed: set[fx.Node] = set()
     stack = list(fw_outputs)
     while stack:
@@ -56,6 +54,15 @@ def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModu
     for n in list(needed):
         if n.users and all(u.target is operator.getitem for u in n.users):
             needed.update(n.users)
+    return needed
+
+
+def annotate_phases(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
+    """Write ``meta["remat.phase"]`` on every node; also sets ``gm.meta["remat.num_fwd_outputs"]`` and
+    ``gm.meta["remat.input_updates"]``."""
+    graph = gm.graph
+    output = next(iter(graph.find_nodes(op="output")))
+    needed = forward_nodes(graph, num_fwd_outputs)
     for n in graph.nodes:
         if n.op == "placeholder":
             n.meta[PHASE] = "tangent" if n.name.startswith("tangents") else "input"

@@ -226,6 +226,37 @@ def test_gpt2_at_its_default_config_trains_like_eager_under_inductor():
     assert m.planned.first_step_bytes == measured  # the first step's own check measures the same
 
 
+def test_gpt2s_attention_mask_is_written_once_and_read_by_every_layer():
+    """GPT-2 as training scripts build it (``use_cache=False``; eager attention, which returns the
+    attention weights): the trace builds the mask's positions twice. Merged
+    (:func:`passes.merge_repeated_index_work`), Inductor writes the mask in one kernel that every
+    layer's softmax reads; unmerged, it recomputed the mask's index arithmetic inside each layer's
+    softmax kernel (4.1 ms against 1.0 a layer on the benchmark GPT-2)."""
+    import copy
+    import re
+
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=32, use_cache=False,
+                       attn_implementation="eager")
+    model = T.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 32))
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)  # the same dropout masks (dropout 0.1 by default)
+    reference(ids, labels=ids).loss.backward()
+    m = remat_compiler.compile(model, memory_budget=0.9, backend="inductor", time_limit_s=3)
+    torch.manual_seed(1)
+    m(ids, labels=ids).loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+    calls = re.findall(r"^\s+(cpp_fused\w*)\(", m.planned.inductor[0].source, re.M)
+    mask = [k for k in calls if "bitwise_and" in k]
+    softmax = [k for k in calls if "_softmax" in k and "log_softmax" not in k]
+    assert len(mask) == 1 and len(softmax) == cfg.n_layer, calls
+    assert not any("bitwise_and" in k for k in softmax), softmax
+
+
 def _over_on_first_call(calls: list, peak_bytes: int):
     """A stand-in for ``compiled_peak`` whose first walk says the code peaks at ``peak_bytes``."""
     real = inductor.compiled_peak

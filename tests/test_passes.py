@@ -54,3 +54,74 @@ def test_device_presets_give_each_accelerators_roofline():
         runtimes[name] = {cg.attr(n, "op"): cg.attr(n, "runtime_s") for n in cg.fw_order}
     assert runtimes["a100"]["aten.tanh.default"] == pytest.approx(
         runtimes["h100"]["aten.tanh.default"] * 3.35 / 2.039, rel=1e-9)
+
+
+class _TwoMasks(torch.nn.Module):
+    """Builds one causal mask twice from positions (as a traced decoder's mask code does), draws two
+    random integers alike, applies one Linear twice, and has a sub-module that builds the mask again."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.inner = _Causal()
+
+    def forward(self, x):
+        n = x.shape[1]
+        first = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        second = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        scores = self.lin(x) @ self.lin(x).transpose(-1, -2)
+        a = scores.masked_fill(~first, -1e9).softmax(-1)
+        b = scores.masked_fill(~second, -1e9).softmax(-1)
+        jitter = torch.randint(1, 4, (n,)) * torch.randint(1, 4, (n,))  # two draws, not one squared
+        return (a * jitter + b + self.inner(scores)).sum()
+
+
+class _Causal(torch.nn.Module):
+    def forward(self, scores):
+        n = scores.shape[-1]
+        return scores.masked_fill(~(torch.arange(n)[None, :] <= torch.arange(n)[:, None]), 0.0)
+
+
+def test_repeated_index_work_is_merged_within_a_module_and_nothing_else_is():
+    """The mask's arange, comparison and inversion exist once in the top module (they were written
+    twice there); the sub-module keeps its own; the two Linear calls and the two random draws stay
+    two; the step's gradients are eager's."""
+    import remat_compiler
+    from passes import merge_repeated_index_work
+
+    torch.manual_seed(0)
+    model, x = _TwoMasks(), torch.randn(2, 6, 8)
+    traced = trace(model, (x,))
+    gm = traced.joint
+    before = {n.name for n in gm.graph.nodes}
+    merge_repeated_index_work(gm, num_fwd_outputs=traced.num_fwd_outputs)
+    merged = before - {n.name for n in gm.graph.nodes}
+
+    def count(op: str) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and op in str(n.target):
+                module = (n.meta.get("custom") or {}).get(keys.TRACE_MODULE)
+                found[module] = found.get(module, 0) + 1
+        return found
+
+    assert merged and all(name.startswith(("arange", "iota", "unsqueeze", "le", "bitwise_not", "add"))
+                          for name in merged), merged
+    assert count("arange") == {"": 1, "inner": 1} or count("iota") == {"": 1, "inner": 1}
+    assert count("aten.le") == {"": 1, "inner": 1}
+    assert sum(count("aten.addmm").values()) == 2  # the Linear's two calls: float work, not merged
+    assert count("randint") == {"": 2}  # from constants alone, but random draws are never merged
+    again = {n.name for n in gm.graph.nodes}
+    merge_repeated_index_work(gm, num_fwd_outputs=traced.num_fwd_outputs)
+    assert {n.name for n in gm.graph.nodes} == again  # nothing left to merge
+
+    torch.manual_seed(1)
+    reference = _TwoMasks()
+    reference.load_state_dict(model.state_dict())
+    torch.manual_seed(2)
+    reference(x).backward()
+    m = remat_compiler.compile(model, memory_budget=0.9, time_limit_s=2)
+    torch.manual_seed(2)
+    m(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
