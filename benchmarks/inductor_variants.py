@@ -1,5 +1,5 @@
 """Variants of the Inductor backend against torch.compile, timed in one process (issue 14's GPT-2
-budget-1.0 point, where remat_compiler and the peer are within a percent of each other).
+budget-1.0 point, the one where remat_compiler's step was long not below the peer's).
 
     python -m benchmarks.inductor_variants --rounds 11          # GPT-2 at 145.1 MiB, about 4 minutes
 
@@ -11,6 +11,8 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
   before it is planned, random ops left to eager's generator (``fallback_random``);
 - ``no fused recompute``: the same, without :func:`remat_compiler.fusion.fusible_recompute` (the
   plan as CP-SAT made it);
+- ``unmerged index work``: the same, without :func:`passes.merge_repeated_index_work` (the pass list
+  as it was before session 16: GPT-2's mask is recomputed inside every layer's softmax kernel);
 - ``torch.compile``: Inductor with its own partitioner at ``activation_memory_budget``;
 - with ``--above 2.5 5``: ``as built`` planned under the budget plus each of these MiB (the room the
   walk of Inductor's code leaves under the budget, given to the planner), marked where the walk of
@@ -18,9 +20,10 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
 
 Then all are stepped round-robin (gradients reset before each step, the loss alone held); each row
 gives the median step and the median over rounds of its step over the peer's in the same round. The
-variants are made by swapping two of :mod:`remat_compiler.api`'s steps during the runner's first call,
-so this is a probe of the pipeline, not an option of it. Peaks are the walk of Inductor's code (=
-the backend's first-step measure), not resident sets: see :mod:`benchmarks.inductor_peers` for those.
+variants are made by swapping two of :mod:`remat_compiler.api`'s steps, or the pass list, during the
+runner's first call, so this is a probe of the pipeline, not an option of it. Peaks are the walk of
+Inductor's code (= the backend's first-step measure), not resident sets: see
+:mod:`benchmarks.inductor_peers` for those.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ __all__ = ["VARIANTS", "variant", "main"]
 #: torch.compile's measured step peak at activation_memory_budget 1.0 on the benchmark GPT-2
 #: (RESULTS.md, "gpt2: the budget-1.0 point again", session 13): the budget remat_compiler gets there
 GPT2_PEER_PEAK_BYTES = 152_166_400
-VARIANTS = ("as built", "joint passes", "no fused recompute")
+VARIANTS = ("as built", "joint passes", "no fused recompute", "unmerged index work")
 
 
 @contextlib.contextmanager
@@ -51,7 +54,9 @@ def variant(name: str):
     from torch._inductor import config
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
-    annotate, fusing = api.annotate_joint, api._fusing
+    import passes
+
+    annotate, fusing, pass_list = api.annotate_joint, api._fusing, passes.PASSES
 
     def with_joint_passes(joint, step):
         with config.patch(fallback_random=True):
@@ -63,12 +68,14 @@ def variant(name: str):
         api.annotate_joint = with_joint_passes
     elif name == "no fused recompute":
         api._fusing = lambda spec: spec
+    elif name == "unmerged index work":
+        passes.PASSES = tuple(p for p in pass_list if p.run is not passes.merge_repeated_index_work)
     elif name != "as built":
         raise ValueError(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
     try:
         yield
     finally:
-        api.annotate_joint, api._fusing = annotate, fusing
+        api.annotate_joint, api._fusing, passes.PASSES = annotate, fusing, pass_list
 
 
 def main(argv=None) -> None:

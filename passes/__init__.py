@@ -76,10 +76,13 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
     into their first occurrence; recompile if any went.
 
     A traced Hugging Face decoder builds its attention mask from index arithmetic that the trace
-    repeats (two ``iota`` for one range of positions). With the repeats, Inductor sees a mask read
-    through four buffers and recomputes it inside every layer's softmax kernel; merged, it reads six,
-    writes the mask once and every layer reads it (GPT-2 at width 256, sequence 256, 2 CPU threads:
-    that kernel took 4.1 ms a layer against 1.0). AOTAutograd's own partitioner merges repeats over
+    repeats (two ``iota`` for one range of positions). Inductor writes a value that several kernels
+    read only if computing it reads more than ``realize_reads_threshold`` (4) values; else every
+    reader recomputes it. With the repeats GPT-2's mask counts 4 reads and is recomputed inside every
+    layer's softmax kernel; merged, it counts 6 and is written once for all layers (GPT-2 at width
+    256, sequence 256, 2 CPU threads: that kernel took 4.1 ms a layer against 1.0). Nodes the
+    output returns are not merged (the caller gets separate tensors, as eager gives).
+    AOTAutograd's own partitioner merges repeats over
     the whole joint graph (``fx_graph_cse``); this pass merges only what :func:`_index_work`
     selects, in the forward alone and within one module's call (the trace's ``remat.trace_module``),
     so a backward never comes to read a forward value it did not read before, and the passes that
@@ -90,7 +93,7 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
     first: dict[tuple, fx.Node] = {}
     merged = False
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n not in work:
+        if n.op != "call_function" or n not in work or any(u.op == "output" for u in n.users):
             continue
         module = (n.meta.get("custom") or {}).get(TRACE_MODULE)
         key = (module, n.target, repr(fx.node.map_arg((n.args, n.kwargs), lambda a: a.name)))

@@ -139,3 +139,20 @@ def test_real_sizes_section_and_targets():
     assert "**met**" in verdicts[0] and "stamped" in verdicts[0] and "stamped" not in verdicts[1]
     assert "planner peak RSS 5.00 GiB" in verdicts[1] and "**not met**" in verdicts[1]
     assert sum(line.startswith("| 7b |") for line in text.splitlines()) == 4
+
+
+def test_each_inductor_variant_changes_its_one_step_and_restores_it():
+    """benchmarks.inductor_variants: inside a variant the pipeline lacks exactly its step (the index
+    merge is out of the pass list for "unmerged index work"); after it, everything is back."""
+    import passes
+    import remat_compiler.api as api
+    from benchmarks.inductor_variants import VARIANTS, variant
+
+    pass_list, fusing, annotate = passes.PASSES, api._fusing, api.annotate_joint
+    with variant("unmerged index work"):
+        assert [p.name for p in passes.PASSES] == [p.name for p in pass_list if p.name != "merge_repeated_index_work"]
+        assert api._fusing is fusing and api.annotate_joint is annotate
+    for name in VARIANTS:
+        with variant(name):
+            pass
+        assert (passes.PASSES, api._fusing, api.annotate_joint) == (pass_list, fusing, annotate), name
