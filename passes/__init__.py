@@ -82,12 +82,13 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
     layer's softmax kernel; merged, it counts 6 and is written once for all layers (GPT-2 at width
     256, sequence 256, 2 CPU threads: that kernel took 4.1 ms a layer against 1.0). Nodes the
     output returns are not merged (the caller gets separate tensors, as eager gives).
-    AOTAutograd's own partitioner merges repeats over
-    the whole joint graph (``fx_graph_cse``); this pass merges only what :func:`_index_work`
-    selects, in the forward alone and within one module's call (the trace's ``remat.trace_module``),
-    so a backward never comes to read a forward value it did not read before, and the passes that
-    find repeated layers and MoE segments see each layer as traced (an MoE layer's ``arange`` is not
-    merged into the previous layer's, which would keep it alive across both).
+
+    AOTAutograd's own partitioner merges repeats over the whole joint graph (``fx_graph_cse``). This
+    pass merges only what :func:`_index_work` selects, in the forward alone and within one module's
+    call (the trace's ``remat.trace_module``), so a backward never comes to read a forward value it
+    did not read before, and the passes that find repeated layers and MoE segments see each layer as
+    traced (an MoE layer's ``arange`` is not merged into the previous layer's, which would keep it
+    alive across both).
     """
     work = _index_work(gm, num_fwd_outputs)
     first: dict[tuple, fx.Node] = {}
