@@ -15,12 +15,14 @@ Each pass changes the GraphModule it is given, in place, and returns it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes.blocks import annotate_blocks
 from passes.costs import CostModel, annotate_costs
@@ -92,21 +94,40 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
     """
     work = _index_work(gm, num_fwd_outputs)
     first: dict[tuple, fx.Node] = {}
-    merged = False
+    gone: set[StorageWeakRef] = set()
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n not in work or any(u.op == "output" for u in n.users):
             continue
         module = (n.meta.get("custom") or {}).get(TRACE_MODULE)
         key = (module, n.target, repr(fx.node.map_arg((n.args, n.kwargs), lambda a: a.name)))
         if key in first:
+            if isinstance(n.meta.get("val"), torch.Tensor):
+                gone.add(StorageWeakRef(n.meta["val"].untyped_storage()))
             n.replace_all_uses_with(first[key])
             gm.graph.erase_node(n)
-            merged = True
         else:
             first[key] = n
-    if merged:
+    if gone:
+        _realias_views(gm, gone)
         gm.recompile()
     return gm
+
+
+def _realias_views(gm: fx.GraphModule, gone: set[StorageWeakRef]) -> None:
+    """Give the views of merged-away values the storage of the value that replaced them.
+
+    :mod:`passes.storage` reads aliasing from the FakeTensors' storages: a view of a merged-away
+    value would still name that value's storage, and be charged as a storage of its own. Each such
+    view's value is made again from its (already updated) inputs, in the graph's order, so that it
+    shares its new base's storage."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, torch.Tensor) \
+                or StorageWeakRef(val.untyped_storage()) not in gone:
+            continue
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        with getattr(val, "fake_mode", None) or contextlib.nullcontext():
+            n.meta["val"] = n.target(*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ class _TwoMasks(torch.nn.Module):
         a = scores.masked_fill(~first, -1e9).softmax(-1)
         b = scores.masked_fill(~second, -1e9).softmax(-1)
         jitter = torch.randint(1, 4, (n,)) * torch.randint(1, 4, (n,))  # two draws, not one squared
-        return (a * jitter + b + self.inner(scores)).sum()
+        second_position = torch.arange(n)[1:2]  # a view of a repeated arange, itself written once
+        return (a * jitter * second_position + b + self.inner(scores)).sum()
 
 
 class _Causal(torch.nn.Module):
@@ -111,6 +112,12 @@ def test_repeated_index_work_is_merged_within_a_module_and_nothing_else_is():
     assert count("aten.le") == {"": 1, "inner": 1}
     assert sum(count("aten.addmm").values()) == 2  # the Linear's two calls: float work, not merged
     assert count("randint") == {"": 2}  # from constants alone, but random draws are never merged
+    # a view of a merged-away arange shares the storage of the arange that replaced it
+    annotated = run_passes(trace(model, (x,)).joint, num_fwd_outputs=traced.num_fwd_outputs)
+    views = [n for n in annotated.graph.nodes if getattr(n.target, "is_view", False)]
+    assert any(n.target is torch.ops.aten.slice.Tensor for n in views)
+    assert all(n.meta[keys.STORAGE] != n.name and n.meta[keys.BYTES] == 0 for n in views), \
+        [(n.name, n.meta[keys.STORAGE]) for n in views]
     again = {n.name for n in gm.graph.nodes}
     merge_repeated_index_work(gm, num_fwd_outputs=traced.num_fwd_outputs)
     assert {n.name for n in gm.graph.nodes} == again  # nothing left to merge
