@@ -95,6 +95,7 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
     work = _index_work(gm, num_fwd_outputs)
     first: dict[tuple, fx.Node] = {}
     gone: set[StorageWeakRef] = set()
+    merged = False
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n not in work or any(u.op == "output" for u in n.users):
             continue
@@ -105,9 +106,10 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
                 gone.add(StorageWeakRef(n.meta["val"].untyped_storage()))
             n.replace_all_uses_with(first[key])
             gm.graph.erase_node(n)
+            merged = True
         else:
             first[key] = n
-    if gone:
+    if merged:  # a merged node's value may be no tensor (a tuple): then it leaves no storage behind
         _realias_views(gm, gone)
         gm.recompile()
     return gm
