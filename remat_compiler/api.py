@@ -24,6 +24,7 @@ from typing import Callable, Mapping
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
@@ -47,7 +48,7 @@ from remat_compiler.solvers.cpsat.choice import solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.stamp import trace_stamped
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
-                                  flatten_step, is_inplace_after_save, run_traced, signature_of, trace,
+                                  flatten_step, is_inplace_after_save, run_traced, signature_of_leaves, trace,
                                   trace_step, without_data)
 
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
@@ -667,16 +668,22 @@ class CompiledModule(torch.nn.Module):
     def original(self) -> torch.nn.Module:
         return self._orig_mod
 
-    def _key(self, args, kwargs) -> tuple:
-        """Everything that changes the traced graph: the call's signature, each parameter's and
-        buffer's shape, dtype, device and requires_grad, training mode and autocast."""
-        state = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad)
-                      for t in (*self._orig_mod.parameters(), *self._orig_mod.buffers()))
+    def _key(self, leaves: list, spec, state: tuple) -> tuple:
+        """Everything that changes the traced graph: the call's signature (its flattened ``leaves``
+        and ``spec``), each parameter's and buffer's shape, dtype, device and requires_grad (of
+        ``state``: :meth:`_state`), training mode and autocast."""
+        params, buffers = state
+        shapes = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad)
+                       for _, t in (*params, *buffers))
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                          for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)) + \
             ((torch.is_autocast_cache_enabled(),) if torch.is_autocast_enabled("cpu")
              or torch.is_autocast_enabled("cuda") else ())
-        return (signature_of(args, kwargs), state, self._orig_mod.training, autocast)
+        return (signature_of_leaves(leaves, spec), shapes, self._orig_mod.training, autocast)
+
+    def _state(self) -> tuple:
+        """The model's ``(named parameters, named buffers)`` now: one walk of its modules a call."""
+        return tuple(self._orig_mod.named_parameters()), tuple(self._orig_mod.named_buffers())
 
     def __getstate__(self):
         # the per-signature entries hold AOTAutograd's compiled functions, which do not pickle: a
@@ -704,12 +711,16 @@ class CompiledModule(torch.nn.Module):
     def _step(self, *args, **kwargs):
         if not torch.is_grad_enabled() or not self._orig_mod.training:
             return self._orig_mod(*args, **kwargs)
-        key = self._key(args, kwargs)
+        # every call pays for what follows before its step runs: one flatten of the arguments and
+        # one walk of the model's modules serve the key, the first call and the step's inputs
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        state = self._state()
+        key = self._key(leaves, spec, state)
         if key in self._failures:  # an infeasible budget for this signature: the same answer, at once
             raise self._failures[key]
         entry = self._entries.get(key)
-        step, flat = flatten_step(self._orig_mod, args, kwargs, hold_outputs=self._hold_outputs)
         if entry is None or entry.over is not None:
+            step, flat = flatten_step(self._orig_mod, args, kwargs, hold_outputs=self._hold_outputs)
             with _TRACE_LOCK:
                 entry = self._entries.get(key)
                 if entry is None:
@@ -717,8 +728,8 @@ class CompiledModule(torch.nn.Module):
                 if entry.over is not None:  # its first step measured above the budget: plan again
                     del self._entries[key]
                     return self._first_call(key, step, flat, after=entry)
-        state = entry.step.state_tensors()
-        return self._call(entry, state + flat, entry.gate)
+        flat = [x for x in leaves if isinstance(x, torch.Tensor)]
+        return self._call(entry, entry.step.state_from(*state) + flat, entry.gate)
 
     def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor], after: _Entry | None = None):
         if any(without_data(t) for t in step.state_tensors() + flat):

@@ -12,7 +12,7 @@ import contextlib
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -24,9 +24,9 @@ from torch.func import functional_call
 from passes import keys
 from remat_compiler.errors import UntraceableModelError
 
-__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "annotate_joint",
-           "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device", "DeviceTraceWarning",
-           "trace_step"]
+__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "signature_of_leaves",
+           "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
+           "DeviceTraceWarning", "trace_step"]
 
 MODULE_KEY = keys.TRACE_MODULE
 MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
@@ -70,8 +70,16 @@ class StepFunction:
         return len(self.param_names) + len(self.buffer_names)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        named_p = dict(self.model.named_parameters())
-        named_b = dict(self.model.named_buffers())
+        return self.state_from(tuple(self.model.named_parameters()), tuple(self.model.named_buffers()))
+
+    def state_from(self, named_parameters: Sequence[tuple[str, torch.Tensor]],
+                   named_buffers: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The step's parameters then buffers, in its order, out of the model's named ones (as
+        ``named_parameters()`` and ``named_buffers()`` list them now)."""
+        if [n for n, _ in named_parameters] == self.param_names \
+                and [n for n, _ in named_buffers] == self.buffer_names:
+            return [t for _, t in named_parameters] + [t for _, t in named_buffers]
+        named_p, named_b = dict(named_parameters), dict(named_buffers)
         return [named_p[n] for n in self.param_names] + [named_b[n] for n in self.buffer_names]
 
     def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -310,7 +318,11 @@ def tensors_for_planning(tensors: list, device=None) -> list:
 
 def signature_of(args: tuple, kwargs: dict | None = None) -> tuple:
     """A hashable key of a call: each tensor's shape, dtype, device and requires_grad; other leaves as is."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    return signature_of_leaves(*pytree.tree_flatten((tuple(args), dict(kwargs or {}))))
+
+
+def signature_of_leaves(leaves: list, spec: pytree.TreeSpec) -> tuple:
+    """:func:`signature_of` a call already flattened: ``pytree.tree_flatten((tuple(args), kwargs))``."""
     key = []
     for x in leaves:
         if isinstance(x, torch.Tensor):

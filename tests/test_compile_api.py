@@ -60,6 +60,38 @@ def test_plan_per_signature_and_reuse():
     assert len(m._entries) == 2
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).square().mean()
+
+
+def test_later_calls_use_the_parameters_the_model_holds_now_under_their_names():
+    """A later call (the same graph) reads each parameter by its name: one swapped for a new tensor,
+    or listed in another order because its module was registered again (``named_parameters()`` then
+    lists ``b`` first, with the same shapes), still lands its gradient on the right tensor."""
+    torch.manual_seed(0)
+    model, x = _TwoLayers(), torch.randn(8, 16)
+    m = rc.compile(model)
+    m(x).backward()
+    model.a.weight = nn.Parameter(torch.randn(16, 16))
+    a = model.a
+    del model.a
+    model.a = a
+    assert [n for n, _ in model.named_parameters()] == ["b.weight", "b.bias", "a.weight", "a.bias"]
+    model.zero_grad(set_to_none=True)
+    m(x).backward()
+    assert len(m._entries) == 1
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(got[name], p.grad, rtol=1e-6, atol=1e-7), name
+
+
 def test_eval_and_no_grad_run_the_model_as_is():
     torch.manual_seed(0)
     model = WithLoss()
