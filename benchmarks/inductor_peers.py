@@ -24,8 +24,12 @@ then one step of the row under :class:`~remat_compiler.memory.ResidentPeak` with
 (the peak), and for remat_compiler one more under a
 :class:`~remat_compiler.memory.LiveStorageTracker` that :func:`remat_compiler.inductor.watch` lets see
 Inductor's buffers (the exact peak, "tracked"). Last, the row and eager are timed round-robin
-(:func:`~benchmarks.measure.time_round_robin`): the step-time ratio is the median over rounds of the
-row's step over eager's in the same round. Ratios of different rows come from different processes
+(:func:`~benchmarks.measure.time_round_robin`, the order reversed every other round): the step-time
+ratio is the median over rounds of the row's step over eager's in the same round. Before the timing,
+:func:`~benchmarks.measure.keep_freed_memory` has malloc keep freed buffers, as a process started
+without RSS_ENV does once its first steps have run: under RSS_ENV every step would also pay a page
+fault for each 4 KiB page of every buffer it allocates (the benchmark GPT-2: about 49,000 a step,
+535 ms a step against 416 ms without, in one scratch run). Ratios of different rows come from different processes
 (the same machine, one after another). RSS counts allocations under 64 KiB imprecisely (glibc's
 arenas), hence the benchmark's full sizes: ``--quick`` peaks are mostly that noise.
 
@@ -58,7 +62,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from benchmarks.measure import Runner, max_abs_error, round_ratio, run_step, time_round_robin
+from benchmarks.measure import Runner, keep_freed_memory, max_abs_error, round_ratio, run_step, time_round_robin
 from benchmarks.report import atomic_write_text
 from benchmarks.rss_check import run_fresh
 from benchmarks.run import code_version
@@ -105,7 +109,7 @@ class PeerOptions:
     """
 
     quick: bool = False
-    rounds: int = 7
+    rounds: int = 15
     time_limit_s: float = 25.0
     num_workers: int = 8
     objective: str | None = None
@@ -231,6 +235,9 @@ def measure_row(task: dict) -> dict:
                                   "backward_source": planned.inductor[1].source,
                                   "walk_peak_at": planned.compiled.peak_node}
 
+    # the timing below is a training loop's: freed buffers stay in malloc's heap (RSS_ENV, which the
+    # peaks above needed, would add a page fault per 4 KiB of every buffer to every step)
+    result["timed_without_page_faults"] = keep_freed_memory()
     runners = [eager, runner]
     if task.get("peer_task"):
         # the peer again, here, after every peak above was measured: both timed in the same rounds
@@ -428,6 +435,13 @@ def check_targets(doc: dict) -> list[str]:
     return out
 
 
+def _malloc_when_timed(doc: dict) -> str:
+    timed = [r.get("timed_without_page_faults") for r in doc["rows"] if r.get("status") == "ok"]
+    if timed and all(timed):
+        return "after malloc was set to keep freed buffers (as without RSS_ENV: no page faults a step)"
+    return "with malloc as RSS_ENV set it in some rows (their steps include a page fault per 4 KiB allocated)"
+
+
 def render_markdown(docs: Sequence[dict], command: str = "", version: str = "") -> str:
     """A section per workload: what was run, the table, the targets."""
     parts = []
@@ -435,9 +449,10 @@ def render_markdown(docs: Sequence[dict], command: str = "", version: str = "") 
         head = (f"{d['description']}{' (--quick)' if d['quick'] else ''}. torch {d['torch']}, {d['threads']} torch "
                 f"thread(s). Peaks: resident-set growth over one step, each row in a fresh process "
                 f"(MALLOC_MMAP_THRESHOLD_=65536); tracked: the live-storage tracker that sees Inductor's buffers. "
-                f"Step-time ratio: median over {d['rounds']} interleaved rounds of the row's step over eager's, "
-                f"in the row's process; vs peer: over the peer's, timed in the same rounds in the remat_compiler row's "
-                f"process. Compile: first step less a median step, cold Inductor cache. CP-SAT: "
+                f"Step-time ratio: median over {d['rounds']} interleaved rounds (every other one in reverse "
+                f"order) of the row's step over eager's, in the row's process, {_malloc_when_timed(d)}; vs "
+                f"peer: over the peer's, timed in the same rounds in the remat_compiler row's process. Compile: "
+                f"first step less a median step, cold Inductor cache. CP-SAT: "
                 f"{d['time_limit_s']:g} s per solve, objective {d['objective']}. Wall time "
                 f"{d['runtime_s'] / 60:.1f} min.")
         if command:
@@ -456,7 +471,7 @@ def _parser() -> argparse.ArgumentParser:
                "size about 40-60 min (every row is a fresh process that compiles with a cold Inductor cache).")
     p.add_argument("--workloads", default=",".join(NAMES), help=f"comma-separated, from {','.join(NAMES)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 3 rounds, short solves (smoke run)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds per row (7; quick 3)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds per row (15; quick 3)")
     p.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per solve (25; quick 5)")
     p.add_argument("--workers", type=int, default=8, help="CP-SAT workers (default 8)")
     p.add_argument("--objective", choices=("flops", "runtime"), default=None,
@@ -481,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(NAMES))
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; known: {', '.join(NAMES)}")
-    opts = PeerOptions(quick=args.quick, rounds=args.rounds or (3 if args.quick else 7),
+    opts = PeerOptions(quick=args.quick, rounds=args.rounds or (3 if args.quick else 15),
                        time_limit_s=args.time_limit or (5.0 if args.quick else 25.0), num_workers=args.workers,
                        objective=args.objective, budgets=tuple(float(b) for b in args.budgets.split(",")),
                        row_timeout_s=args.row_timeout or (900.0 if args.quick else 1800.0),

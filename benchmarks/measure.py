@@ -22,6 +22,8 @@ graph's ops, not eager's, and its peak and FLOPs change with ``activation_memory
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from remat_compiler.workload import compute_loss
 from benchmarks.workloads import input_leaves
 
 __all__ = ["StepTracker", "StepFlopCounter", "Runner", "Measurement", "run_step", "measure",
-           "time_round_robin", "round_ratio", "max_abs_error"]
+           "time_round_robin", "round_ratio", "max_abs_error", "keep_freed_memory"]
 
 
 class StepTracker(LiveStorageTracker):
@@ -159,16 +161,55 @@ def measure(runner: Runner, args: tuple, kwargs: dict) -> Measurement:
 def time_round_robin(runners: Sequence[Runner], args: tuple, kwargs: dict, rounds: int) -> list[list[float]]:
     """Step seconds of every runner in every round: ``times[runner][round]``.
 
-    Each round times one step of every runner in turn, so a slow phase of a shared machine hits every
-    strategy of that round alike; ratios are best taken round by round (:func:`round_ratio`).
+    Each round times one step of every runner, in the given order on even rounds and reversed on
+    odd ones (so no runner always follows the same one: a step that leaves the caches or the
+    allocator in some state does not always hand it to the same next runner), and a slow phase of a
+    shared machine hits every strategy of that round alike; ratios are best taken round by round
+    (:func:`round_ratio`).
     """
     times: list[list[float]] = [[] for _ in runners]
-    for _ in range(rounds):
-        for i, runner in enumerate(runners):
+    for k in range(rounds):
+        order = range(len(runners)) if k % 2 == 0 else reversed(range(len(runners)))
+        for i in order:
             t0 = time.perf_counter()
-            run_step(runner, args, kwargs)
+            run_step(runners[i], args, kwargs)
             times[i].append(time.perf_counter() - t0)
     return times
+
+
+#: glibc's ``mallopt`` parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: the ceiling of glibc's own mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``)
+_GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse again, as it does in a process started
+    without :data:`~remat_compiler.memory.RSS_ENV`, before timing steps in a process that started
+    with it (for :class:`~remat_compiler.memory.ResidentPeak`).
+
+    Under ``MALLOC_MMAP_THRESHOLD_=65536`` every buffer of 64 KiB or more is mapped when allocated
+    and unmapped when freed, so every step pays the kernel a page fault for each 4 KiB page of every
+    buffer it allocates (the benchmark GPT-2: about 49,000 a step, which made a 416 ms step take 535
+    ms in one scratch run).
+    A training loop in a process without that setting pays none after its first steps: glibc raises
+    its mmap threshold to the largest buffer freed, up to 32 MiB, and keeps freed memory in its
+    heap. This sets that state at once: buffers under 32 MiB come from the heap, and the heap is not
+    trimmed below 64 MiB of free space. Peaks measured after this call are not exact.
+
+    Returns
+    -------
+    bool
+        False where there is no glibc ``mallopt`` (nothing was changed).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+                and mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX))
 
 
 def round_ratio(times: Sequence[float], reference: Sequence[float]) -> float:

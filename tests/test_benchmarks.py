@@ -156,3 +156,57 @@ def test_each_inductor_variant_changes_its_one_step_and_restores_it():
         with variant(name):
             pass
         assert (passes.PASSES, api._fusing, api.annotate_joint) == (pass_list, fusing, annotate), name
+
+
+def test_round_robin_reverses_its_order_every_other_round():
+    """No runner is always timed right after the same one: round k runs the runners forward when k is
+    even and backward when it is odd, and each runner's times stay in its own row."""
+    import torch
+
+    from benchmarks.measure import Runner, time_round_robin
+
+    calls = []
+
+    def runner(name):
+        w = torch.ones((), requires_grad=True)
+        return Runner(name, "-", lambda: (calls.append(name), w * 2)[1], [w])
+
+    times = time_round_robin([runner("a"), runner("b"), runner("c")], (), {}, 4)
+    assert calls == list("abc" "cba" "abc" "cba")
+    assert [len(t) for t in times] == [4, 4, 4] and all(s > 0 for t in times for s in t)
+
+
+def _faults_allocating(n: int) -> list[int]:
+    """Page faults of allocating, filling and freeing a 1 MiB buffer ``n`` times after a warm-up; then
+    the same after :func:`benchmarks.measure.keep_freed_memory` (run by the test below in a process
+    started with RSS_ENV)."""
+    import resource
+
+    import torch
+
+    from benchmarks.measure import keep_freed_memory
+
+    def faults() -> int:
+        for _ in range(3):  # warm, as the timed steps are: the heap grows to hold the buffer
+            torch.ones(2**18)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(n):
+            torch.ones(2**18)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    mapped = faults()
+    kept = keep_freed_memory()
+    return [mapped, int(kept), faults()]
+
+
+def test_keep_freed_memory_stops_the_page_faults_rss_env_adds_to_every_step():
+    """Under RSS_ENV (the resident-peak measurement's) every 1 MiB buffer is a fresh mapping: 256
+    page faults each. After keep_freed_memory (what inductor_peers runs before timing) the buffer is
+    reused from malloc's heap once the heap has grown to hold it, as in a process without RSS_ENV: no
+    faults."""
+    from benchmarks.rss_check import run_fresh
+
+    mapped, kept, after = run_fresh("tests.test_benchmarks:_faults_allocating", 20, timeout_s=120)
+    assert kept == 1
+    assert mapped >= 20 * 256
+    assert after < 20
