@@ -854,13 +854,15 @@ class CompiledModule(torch.nn.Module):
                       f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
         return self._trace_and_run_eager(entry, inputs)
 
-    def _first_step_report(self, entry: _Entry, margin: int) -> Callable[[int], None]:
+    def _first_step_report(self, entry: _Entry, margin: int) -> Callable[[int, int], None]:
         """What to do with the measured peak of the first step of this entry's Inductor code
         (:class:`remat_compiler.inductor.FirstStepCheck`): record it and, above the budget, warn
         and have the next call plan again under a budget lowered by the overshoot, with the walk of
         the new code held below the budget by what this walk missed. Under torch.distributed it
-        only warns: the ranks measure apart, and a re-plan on one rank alone would part their plans."""
-        def report(measured: int) -> None:
+        only warns: the ranks measure apart, and a re-plan on one rank alone would part their plans.
+        Where the caller held outputs through the backward that ``hold_outputs=False`` planned as
+        freed (``held`` bytes), the warning says so and what to do."""
+        def report(measured: int, held: int) -> None:
             planned = entry.planned
             planned.first_step_bytes = measured
             limit = resolve_budget(planned.cg, self._spec.budget)
@@ -871,6 +873,12 @@ class CompiledModule(torch.nn.Module):
             said = (f"backend='inductor': the first step of Inductor's code for this plan measured "
                     f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
                     f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
+            if held:
+                said += (f". The caller still held {held} bytes of the step's outputs when its backward ran, "
+                         f"which hold_outputs=False plans as freed when the forward returns"
+                         f"{' (that is all the walk missed)' if missed <= held else ''}: keep only the loss "
+                         f"(loss = m(x, labels=y).loss; loss.backward()), or compile with hold_outputs=True so "
+                         f"that the plan counts them")
             if distributed():
                 warnings.warn(f"{said}. Under torch.distributed it is not re-planned on one rank: pass a "
                               f"memory_budget lower by {measured - limit} bytes", RuntimeWarning, stacklevel=2)

@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes.allocator import allocator_named
 from passes.storage import strided_span_bytes
@@ -411,17 +412,19 @@ class InductorCompilers:
     for that same graph.
 
     Once the code is accepted, the first step it runs is measured (:class:`FirstStepCheck`) and
-    ``on_first_step`` is called with the bytes measured.
+    ``on_first_step`` is called with the bytes measured and the bytes of outputs the walk counted
+    as freed that the caller still held when the backward ran.
 
     Parameters
     ----------
     facts : callable
         Returns the :class:`StepFacts` of the plan the partitioner just made.
     on_first_step : callable, optional
-        Called with the measured peak of the first step the accepted code runs.
+        Called with the measured peak of the first step the accepted code runs, and the bytes of
+        its outputs the caller held against the plan's assumption (see :class:`FirstStepCheck`).
     """
 
-    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int], None] | None = None):
+    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int, int], None] | None = None):
         self._facts = facts
         self._on_first_step = on_first_step
         self.fw: InductorGraph | None = None
@@ -442,7 +445,10 @@ class InductorCompilers:
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         if self._on_first_step is not None:
-            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step, allocator=facts.allocator)
+            held = held_positions(gm, facts.num_fwd_outputs, facts.input_updates, facts.hold_outputs)
+            unheld = [i for i in range(facts.num_fwd_outputs) if i not in held and i not in set(facts.input_updates)]
+            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step, allocator=facts.allocator,
+                           unheld=unheld)
         return self.fw
 
     def backward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
@@ -473,27 +479,38 @@ class FirstStepCheck:
     num_fwd_outputs : int
         The forward's outputs that are the caller's (the rest are saved for the backward).
     report : callable
-        Called with the measured peak once the first backward has run.
+        Called once the first backward has run (inside autograd's backward: once it is over) with
+        the measured peak and the bytes of the ``unheld`` outputs still alive then: those the caller
+        held through the backward (0 where none).
     allocator : str
         The :mod:`passes.allocator` model each storage is charged by, the walk's (the cost graph's).
+    unheld : sequence of int
+        Positions of the caller's outputs that the walk counts as freed once the forward returns
+        (``hold_outputs=False``: all but the scalar ones). A caller that keeps one through the
+        backward (``out = m(x); out.loss.backward()``) puts the step above the walk by its bytes.
     """
 
     def __init__(self, fw: InductorGraph, bw: InductorGraph, num_fwd_outputs: int,
-                 report: Callable[[int], None], *, allocator: str = "exact"):
+                 report: Callable[[int, int], None], *, allocator: str = "exact", unheld: Sequence[int] = ()):
         self.tracker = None  # each forward's own
         self._allocator = allocator_named(allocator)
         self._fw, self._bw = fw, bw
         self._num_fwd_outputs = num_fwd_outputs
         self._report = report
+        self._unheld = tuple(unheld)
         self._num_saved: int | None = None  # known once the forward has run
+        self._outputs: dict[StorageWeakRef, int] = {}  # the last forward's unheld outputs: bytes
         fw.check = bw.check = self
 
     def run(self, graph: InductorGraph, args: tuple):
         if graph is self._fw:  # measured afresh until a backward follows: the step is the last forward's
             self.tracker = LiveStorageTracker(allocator=self._allocator)
+            flat = args[0] if graph._boxed_call else args
+            inputs = {StorageWeakRef(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
             with self.tracker, watch(self.tracker, [graph]):
                 out = graph.fn(*args)
             self._num_saved = len(out) - self._num_fwd_outputs
+            self._outputs = self._unheld_storages(out, inputs)
             return out
         if graph is not self._bw or self._num_saved is None:
             return graph.fn(*args)
@@ -504,8 +521,27 @@ class FirstStepCheck:
                 self.tracker.adopt(t)
         with self.tracker, watch(self.tracker, [graph]):
             out = graph.fn(*args)
-        self._report(self.tracker.peak_bytes)
+        peak, outputs, self._outputs = self.tracker.peak_bytes, self._outputs, {}
+
+        def report():  # an unheld output alive once the backward is over is the caller's
+            self._report(peak, sum(nbytes for ref, nbytes in outputs.items() if not ref.expired()))
+        if torch._C._current_autograd_node() is not None:
+            # inside autograd's backward: after it, when the values saved for it are released too
+            torch.autograd.Variable._execution_engine.queue_callback(report)
+        else:
+            report()
         return out
+
+    def _unheld_storages(self, out, inputs: set) -> dict:
+        """The storages of the forward's ``unheld`` outputs (not those a held output or an input
+        shares), weakly, with their bytes."""
+        def ref(t):
+            return StorageWeakRef(t.untyped_storage())
+
+        kept = inputs | {ref(out[i]) for i in range(self._num_fwd_outputs)
+                         if isinstance(out[i], torch.Tensor) and i not in self._unheld}
+        return {ref(out[i]): out[i].untyped_storage().nbytes() for i in self._unheld
+                if isinstance(out[i], torch.Tensor) and ref(out[i]) not in kept}
 
 
 def _backward_inputs(bw: fx.GraphModule, fw: InductorGraph, num_fwd_outputs: int) -> list:

@@ -158,21 +158,34 @@ def test_the_first_step_check_measures_the_last_forward_and_the_first_backward()
     exec(_CHECKED, namespace)
     fw, bw = (InductorGraph(_Wrapper(namespace[f]), "") for f in ("forward", "backward"))
     reports = []
-    inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=reports.append)
+
+    def report(measured, held):
+        reports.append((measured, held))
+    inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=report)
     x = torch.zeros(3)
     earlier = fw(x)  # a forward whose backward does not come first (still held: not this step's)
     user, saved = fw(x)
     bw(saved, torch.ones(10))
     # the last forward's output and saved value, the gradient fed in, the one returned: 4-byte floats
-    assert reports == [4 * (100 + 50 + 10 + 25)] and len(earlier) == 2
+    assert reports == [(4 * (100 + 50 + 10 + 25), 0)] and len(earlier) == 2
     assert fw.check is None and bw.check is None
     bw(*fw(x)[1:], torch.ones(10))  # later steps run unmeasured
     assert len(reports) == 1
     # in the units of the plan's allocator model (CUDA's caching allocator: 512-byte blocks), as the walk
-    inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=reports.append, allocator="cuda_caching")
+    inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=report, allocator="cuda_caching")
     user, saved = fw(x)
     bw(saved, torch.ones(10))
-    assert reports[1] == 4 * 512
+    assert reports[1] == (4 * 512, 0)
+    # an output the walk counts as freed (hold_outputs=False) that the caller still holds as the
+    # backward starts is reported with its bytes; one dropped before the backward is not
+    # (the forward's two buffers, 4 * 150 bytes, are the step's peak once the output is dropped)
+    for keep, peak, held in ((True, 4 * (100 + 50 + 10 + 25), 4 * 100), (False, 4 * 150, 0)):
+        inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=report, unheld=[0])
+        user, saved = fw(x)
+        if not keep:
+            del user
+        bw(saved, torch.ones(10))
+        assert reports[-1] == (peak, held)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -398,6 +411,45 @@ def test_a_first_step_measured_above_the_budget_warns_and_the_next_call_plans_un
         assert _measured_step(m, model, lambda: m(x).backward()) <= budget
     finally:
         _EXCESS.update(bytes=0, at_first_backward=None)
+
+
+class _LossAndLogits(torch.nn.Module):
+    """Returns the loss and its logits, as a Hugging Face language model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+        self.head = torch.nn.Linear(64, 4096)
+
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.body(x)))
+        return logits.square().mean(), logits
+
+
+def test_outputs_held_through_backward_against_hold_outputs_false_are_named_as_the_overshoot():
+    """hold_outputs=False plans the step's outputs freed as the forward returns. A caller that
+    keeps them through the backward (``loss, logits = m(x); loss.backward()``) puts the step above
+    the budget by their bytes: the first step's warning says that the caller held them, how many
+    bytes, and what to do, rather than only that the walk missed them."""
+    torch.manual_seed(0)
+    model, x = _LossAndLogits(), torch.randn(64, 64)
+    free = remat_compiler.compile(model, None, hold_outputs=False, backend="inductor")
+    free(x)[0].backward()  # the logits dropped before the backward: the step the plan counts
+    walked = free.planned.compiled.peak_bytes
+    assert free.planned.first_step_bytes == walked
+    logits_bytes = 64 * 4096 * 4
+    budget = max(walked, free.plan.peak_bytes) + 4096  # the same plan fits, the logits on top do not
+    model.zero_grad(set_to_none=True)
+    m = remat_compiler.compile(model, budget, hold_outputs=False, backend="inductor", time_limit_s=2)
+    with pytest.warns(RuntimeWarning, match="first step of Inductor's code") as caught:
+        loss, logits = m(x)
+        loss.backward()
+    said = str(next(w.message for w in caught if "first step" in str(w.message)))
+    assert m.planned.compiled.peak_bytes == walked
+    assert m.planned.first_step_bytes == walked + logits_bytes > budget
+    assert f"The caller still held {logits_bytes} bytes of the step's outputs" in said, said
+    assert "(that is all the walk missed)" in said and "hold_outputs=True" in said, said
+    del loss, logits
 
 
 def test_a_second_first_step_above_the_budget_runs_the_eager_plan():
