@@ -18,12 +18,12 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
   walk of Inductor's code leaves under the budget, given to the planner), marked where the walk of
   its code is above the budget itself.
 
-Then all are stepped round-robin (gradients reset before each step, the loss alone held); each row
-gives the median step and the median over rounds of its step over the peer's in the same round. The
-variants are made by swapping two of :mod:`remat_compiler.api`'s steps, or the pass list, during the
-runner's first call, so this is a probe of the pipeline, not an option of it. Peaks are the walk of
-Inductor's code (= the backend's first-step measure), not resident sets: see
-:mod:`benchmarks.inductor_peers` for those.
+Then all are stepped round-robin, every other round in reverse order (gradients reset before each
+step, the loss alone held); each row gives the median step and the median over rounds of its step
+over the peer's in the same round. The variants are made by swapping two of
+:mod:`remat_compiler.api`'s steps, or the pass list, during the runner's first call, so this is a
+probe of the pipeline, not an option of it. Peaks are the walk of Inductor's code (= the backend's
+first-step measure), not resident sets: see :mod:`benchmarks.inductor_peers` for those.
 """
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ def main(argv=None) -> None:
             compile_s[name] = step(name)
         step(name)
     times = {name: [] for name in runners}
-    for _ in range(args.rounds):
-        for name in runners:
+    for k in range(args.rounds):  # every other round in reverse order, as benchmarks.measure.time_round_robin
+        for name in (list(runners) if k % 2 == 0 else list(reversed(runners))):
             times[name].append(step(name))
 
     print(f"{args.workload}, budget {args.budget_bytes} bytes, torch.compile at activation_memory_budget "
