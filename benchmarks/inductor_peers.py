@@ -29,8 +29,8 @@ ratio is the median over rounds of the row's step over eager's in the same round
 :func:`~benchmarks.measure.keep_freed_memory` has malloc keep freed buffers, as a process started
 without RSS_ENV does once its first steps have run: under RSS_ENV every step would also pay a page
 fault for each 4 KiB page of every buffer it allocates (the benchmark GPT-2: about 49,000 a step,
-535 ms a step against 416 ms without, in one scratch run). Ratios of different rows come from different processes
-(the same machine, one after another). RSS counts allocations under 64 KiB imprecisely (glibc's
+535 ms a step against 416 ms without, in one scratch run). Ratios of different rows come from
+different processes (the same machine, one after another). RSS counts allocations under 64 KiB imprecisely (glibc's
 arenas), hence the benchmark's full sizes: ``--quick`` peaks are mostly that noise.
 
 A remat_compiler point meets its target when its measured peak is at most the peer's and its step is

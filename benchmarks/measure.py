@@ -191,11 +191,11 @@ def keep_freed_memory() -> bool:
     Under ``MALLOC_MMAP_THRESHOLD_=65536`` every buffer of 64 KiB or more is mapped when allocated
     and unmapped when freed, so every step pays the kernel a page fault for each 4 KiB page of every
     buffer it allocates (the benchmark GPT-2: about 49,000 a step, which made a 416 ms step take 535
-    ms in one scratch run).
-    A training loop in a process without that setting pays none after its first steps: glibc raises
-    its mmap threshold to the largest buffer freed, up to 32 MiB, and keeps freed memory in its
-    heap. This sets that state at once: buffers under 32 MiB come from the heap, and the heap is not
-    trimmed below 64 MiB of free space. Peaks measured after this call are not exact.
+    ms in one scratch run). A training loop in a process without that setting pays none after its
+    first steps: glibc raises its mmap threshold to the largest buffer freed, up to 32 MiB, and
+    keeps freed memory in its heap. This sets that state at once: buffers under 32 MiB come from
+    the heap, and the heap is not trimmed below 64 MiB of free space. Peaks measured after this call
+    are not exact.
 
     Returns
     -------

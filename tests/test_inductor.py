@@ -176,8 +176,8 @@ def test_the_first_step_check_measures_the_last_forward_and_the_first_backward()
     user, saved = fw(x)
     bw(saved, torch.ones(10))
     assert reports[1] == (4 * 512, 0)
-    # an output the walk counts as freed (hold_outputs=False) that the caller still holds as the
-    # backward starts is reported with its bytes; one dropped before the backward is not
+    # an output the walk counts as freed (hold_outputs=False) that the caller still holds once the
+    # backward is over is reported with its bytes; one dropped before the backward is not
     # (the forward's two buffers, 4 * 150 bytes, are the step's peak once the output is dropped)
     for keep, peak, held in ((True, 4 * (100 + 50 + 10 + 25), 4 * 100), (False, 4 * 150, 0)):
         inductor.FirstStepCheck(fw, bw, num_fwd_outputs=1, report=report, unheld=[0])
