@@ -203,10 +203,11 @@ def test_keep_freed_memory_stops_the_page_faults_rss_env_adds_to_every_step():
     """Under RSS_ENV (the resident-peak measurement's) every 1 MiB buffer is a fresh mapping: 256
     page faults each. After keep_freed_memory (what inductor_peers runs before timing) the buffer is
     reused from malloc's heap once the heap has grown to hold it, as in a process without RSS_ENV: no
-    faults."""
+    faults but those of the heap growing once more now and then (one buffer's 256 in some runs),
+    never one buffer's worth per allocation."""
     from benchmarks.rss_check import run_fresh
 
     mapped, kept, after = run_fresh("tests.test_benchmarks:_faults_allocating", 20, timeout_s=120)
     assert kept == 1
     assert mapped >= 20 * 256
-    assert after < 20
+    assert after <= 2 * 256
