@@ -874,7 +874,7 @@ class CompiledModule(torch.nn.Module):
                     f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
                     f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
             if held:
-                said += (f". The caller still held {held} bytes of the step's outputs when its backward ran, "
+                said += (f". The caller still held {held} bytes of the step's outputs through its backward, "
                          f"which hold_outputs=False plans as freed when the forward returns"
                          f"{' (that is all the walk missed)' if missed <= held else ''}: keep only the loss "
                          f"(loss = m(x, labels=y).loss; loss.backward()), or compile with hold_outputs=True so "

@@ -445,8 +445,9 @@ class InductorCompilers:
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         if self._on_first_step is not None:
-            held = held_positions(gm, facts.num_fwd_outputs, facts.input_updates, facts.hold_outputs)
-            unheld = [i for i in range(facts.num_fwd_outputs) if i not in held and i not in set(facts.input_updates)]
+            skip = set(held_positions(gm, facts.num_fwd_outputs, facts.input_updates, facts.hold_outputs))
+            skip |= set(facts.input_updates)
+            unheld = [i for i in range(facts.num_fwd_outputs) if i not in skip]
             FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step, allocator=facts.allocator,
                            unheld=unheld)
         return self.fw

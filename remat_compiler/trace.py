@@ -24,7 +24,7 @@ from torch.func import functional_call
 from passes import keys
 from remat_compiler.errors import UntraceableModelError
 
-__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of", "signature_of_leaves",
+__all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
            "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
            "DeviceTraceWarning", "trace_step"]
 
@@ -316,13 +316,9 @@ def tensors_for_planning(tensors: list, device=None) -> list:
     return out
 
 
-def signature_of(args: tuple, kwargs: dict | None = None) -> tuple:
-    """A hashable key of a call: each tensor's shape, dtype, device and requires_grad; other leaves as is."""
-    return signature_of_leaves(*pytree.tree_flatten((tuple(args), dict(kwargs or {}))))
-
-
 def signature_of_leaves(leaves: list, spec: pytree.TreeSpec) -> tuple:
-    """:func:`signature_of` a call already flattened: ``pytree.tree_flatten((tuple(args), kwargs))``."""
+    """A hashable key of a call, flattened (``pytree.tree_flatten((tuple(args), kwargs))``): each
+    tensor's shape, dtype, device and requires_grad; other leaves as is."""
     key = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
