@@ -93,3 +93,30 @@ def test_kept_menus_follow_the_costs():
     assert len(menus) == 1 and again.bound == once.bound > 0
     double = bound(2)
     assert len(menus) == 2 and double.bound == 2 * once.bound
+
+
+@pytest.mark.parametrize("d,h,batch", [(16, 64, 512), (32, 16, 256), (24, 40, 300)])
+def test_menu_steps_from_band_edge_to_band_edge_and_reads_the_full_staircases_values(d, h, batch):
+    """The menu's staircase of cost over H solves once per band edge it steps over, not once per
+    distinct H: at every band edge its least cost, and whether any plan has H that low, are the
+    full staircase's (the values the menu reads), from no more solves."""
+    from remat_compiler.graph import representative_block
+    from remat_compiler.solvers.cpsat.blockbound import (_BlockModel, _fixed_intervals, _Layout, _Menu,
+                                                         _staircase)
+
+    cg = _stack(d, h, batch)
+    lay = _Layout(cg)
+    fixed, k = _fixed_intervals(cg, lay), representative_block(lay.stack)
+    cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731
+    bm_h = _BlockModel(cg, lay, k, cost_of, fixed, memory=False)
+    sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in set(cg.candidates)]
+    menu = _Menu(_BlockModel(cg, lay, k, cost_of, fixed), bm_h, sizes, Deadline(60))
+    full = _staircase(bm_h, bm_h.H, Deadline(60))
+    assert menu.ok and full
+    assert len(menu.levels) <= len(full)
+    assert len(menu.edges) > 2  # more than one band: the steps between edges are exercised
+    for edge in menu.edges[1:]:
+        fits = [o.cost for o in full if o.H <= edge]
+        assert any(o.H <= edge for o in menu.levels) == bool(fits), edge
+        if fits:
+            assert menu._least_cost(edge) == min(fits), edge

@@ -341,10 +341,11 @@ class _MenuPoint:
     saved: frozenset[int]  # positions in the block's node list
 
 
-def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None):
+def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None, below=None):
     """Block plans along the exact staircase of ``x -> least cost with measure <= x`` (and
     ``H <= H_cap``, in the model's units): each solve minimises cost, then the measure; the next
-    asks for a smaller measure. Returns the options, or None if a solve is not proven optimal by
+    asks for a smaller measure: at most ``below(x)`` (model units; default ``x - 1``: every step of
+    the staircase; None: stop). Returns the options, or None if a solve is not proven optimal by
     the deadline."""
     dom = measure.proto.domain
     hi = dom[len(dom) - 1]  # (a protobuf field: no negative index)
@@ -378,7 +379,9 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
             saved=frozenset(pos[v] for v, var in bm.s.items() if solver.value(_clone_var(m, var)))))
         if x == 0:
             return options
-        cap = x - 1
+        cap = x - 1 if below is None else below(x)
+        if cap is None or cap < 0:
+            return options
 
 
 def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
@@ -391,6 +394,21 @@ def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
     if run_solver(solver, m) != cp_model.OPTIMAL:
         return None
     return int(round(solver.objective_value)) * bm.unit
+
+
+def _edge_below(x: int, unit: int, granule: int) -> int | None:
+    """The largest band edge (``k * granule - unit`` bytes, ``k >= 1``) below a plan's H of ``x``
+    model units, in model units; None when there is none (the plan is in the first band).
+
+    The least cost with H at most an edge ``e`` is the cost of the staircase point at the smallest
+    cap at or above ``e``, when that point's H is at most ``e``: capping H at the next edge below
+    each point's H finds every edge's least cost, and whether any plan has H at most it.
+
+    >>> _edge_below(10, 1, 4), _edge_below(8, 1, 4), _edge_below(3, 1, 4)
+    (7, 7, None)
+    """
+    k = -(-(x * unit + unit) // granule) - 1  # the largest k with k * granule - unit < x * unit
+    return (k * granule - unit) // unit if k >= 1 else None
 
 
 class _Menu:
@@ -408,13 +426,16 @@ class _Menu:
 
     def __init__(self, bm: _BlockModel, bm_h: _BlockModel, sizes: list[int], deadline: Deadline):
         self.bm = bm
-        self.levels = _staircase(bm_h, bm_h.H, deadline)  # the memory profile plays no part in H
+        big = [x for x in sizes if x >= max(sizes) // 64]
+        granule = max(reduce(math.gcd, big, 0), bm.unit)
+        # the menu reads levels only at band edges (least cost with H <= an edge) and their least H
+        # against an edge: one solve per edge the staircase steps over is enough (on GPT-2's block
+        # traced for Inductor, 222 steps of one unit took 34 s; see _edge_below)
+        self.levels = _staircase(bm_h, bm_h.H, deadline, below=lambda x: _edge_below(x, bm.unit, granule))
         self.w_min = _least(bm, bm.W, deadline) if self.levels is not None else None
         self.ok = self.levels is not None and self.w_min is not None
         if not self.ok:
             return
-        big = [x for x in sizes if x >= max(sizes) // 64]
-        granule = max(reduce(math.gcd, big, 0), bm.unit)
         top = max(o.H for o in self.levels)
         cuts = [g - bm.unit for g in range(granule, top + granule, granule) if g - bm.unit < top]
         edges = [-1] + cuts + [top]
