@@ -21,7 +21,7 @@ cache (so every compile time is a cold one) and the torch threads of :mod:`bench
 builds the row's model and an eager one, runs the row's first step (compiles; its time less a median
 step is the compile time: trace + plan + Inductor for remat_compiler), a second step, two eager steps,
 then one step of the row under :class:`~remat_compiler.memory.ResidentPeak` with every gradient None
-(the peak), and for remat_compiler one more under a
+(the peak; it first gives back the small buffers those steps left in malloc's heap), and for remat_compiler one more under a
 :class:`~remat_compiler.memory.LiveStorageTracker` that :func:`remat_compiler.inductor.watch` lets see
 Inductor's buffers (the exact peak, "tracked"). Last, the row and eager are timed round-robin
 (:func:`~benchmarks.measure.time_round_robin`, the order reversed every other round): the step-time
@@ -448,7 +448,8 @@ def render_markdown(docs: Sequence[dict], command: str = "", version: str = "") 
     for d in docs:
         head = (f"{d['description']}{' (--quick)' if d['quick'] else ''}. torch {d['torch']}, {d['threads']} torch "
                 f"thread(s). Peaks: resident-set growth over one step, each row in a fresh process "
-                f"(MALLOC_MMAP_THRESHOLD_=65536); tracked: the live-storage tracker that sees Inductor's buffers. "
+                f"(MALLOC_MMAP_THRESHOLD_=65536; malloc's free heap given back before the step); tracked: the "
+                f"live-storage tracker that sees Inductor's buffers. "
                 f"Step-time ratio: median over {d['rounds']} interleaved rounds (every other one in reverse "
                 f"order) of the row's step over eager's, in the row's process, {_malloc_when_timed(d)}; vs "
                 f"peer: over the peer's, timed in the same rounds in the remat_compiler row's process. Compile: "

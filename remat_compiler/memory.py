@@ -157,6 +157,12 @@ def release_free_heap() -> bool:
 class ResidentPeak:
     """Peak growth of the resident set over the ``with`` block, in bytes.
 
+    On entry it gives malloc's free heap back (:func:`release_free_heap`), so buffers the block
+    makes in memory an earlier step freed count too. What it counts beyond live tensor storage
+    (the Python and autograd objects of the ops run, library scratch) is small next to a step's
+    tensors, but grows with the number of ops: on the benchmark GPT-2 run op by op, 62.20 MiB
+    against 60.05 MiB of tensors (``benchmarks/RESULTS.md``, session 18).
+
     Attributes
     ----------
     peak_bytes : int
