@@ -23,7 +23,6 @@ graph's ops, not eager's, and its peak and FLOPs change with ``activation_memory
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import torch
 from remat_compiler.compare import max_abs_error
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
-from remat_compiler.memory import LiveStorageTracker
+from remat_compiler.memory import LiveStorageTracker, glibc_function
 from remat_compiler.plan import Plan
 from remat_compiler.workload import compute_loss
 
@@ -202,12 +201,9 @@ def keep_freed_memory() -> bool:
     bool
         False where there is no glibc ``mallopt`` (nothing was changed).
     """
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
                 and mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX))
 

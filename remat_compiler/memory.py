@@ -29,7 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "RSS_ENV", "release_free_heap"]
+__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "RSS_ENV", "release_free_heap",
+           "glibc_function"]
 
 #: The environment a process measuring with :class:`ResidentPeak` must start with (glibc reads it at
 #: startup): allocations of 64 KiB or more are mmapped and returned to the kernel when freed.
@@ -131,6 +132,17 @@ def _status_bytes(*fields: str) -> dict[str, int]:
     return values
 
 
+def glibc_function(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's function ``name`` with its signature set, or None where there is none (not
+    glibc; :func:`release_free_heap`, ``benchmarks.measure.keep_freed_memory``)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def release_free_heap() -> bool:
     """Return the free memory of malloc's heap to the system (glibc's ``malloc_trim(0)``).
 
@@ -145,11 +157,9 @@ def release_free_heap() -> bool:
     bool
         False where there is no glibc ``malloc_trim`` (nothing was released).
     """
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
+    trim = glibc_function("malloc_trim", [ctypes.c_size_t])
+    if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
 
@@ -158,10 +168,9 @@ class ResidentPeak:
     """Peak growth of the resident set over the ``with`` block, in bytes.
 
     On entry it gives malloc's free heap back (:func:`release_free_heap`), so buffers the block
-    makes in memory an earlier step freed count too. What it counts beyond live tensor storage
-    (the Python and autograd objects of the ops run, library scratch) is small next to a step's
-    tensors, but grows with the number of ops: on the benchmark GPT-2 run op by op, 62.20 MiB
-    against 60.05 MiB of tensors (``benchmarks/RESULTS.md``, session 18).
+    makes in memory an earlier step freed count too. It also counts memory outside tensor storage:
+    on the benchmark GPT-2 planned and run op by op, 62.20 MiB against 60.05 MiB of live tensors;
+    under Inductor's code, within 0.2% of them (``benchmarks/RESULTS.md``, session 18).
 
     Attributes
     ----------

@@ -380,7 +380,7 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
         if x == 0:
             return options
         cap = x - 1 if below is None else below(x)
-        if cap is None or cap < 0:
+        if cap is None:
             return options
 
 
