@@ -120,3 +120,50 @@ def test_menu_steps_from_band_edge_to_band_edge_and_reads_the_full_staircases_va
         assert any(o.H <= edge for o in menu.levels) == bool(fits), edge
         if fits:
             assert menu._least_cost(edge) == min(fits), edge
+
+
+class Branches(nn.Module):
+    """Residual branches of several widths in one block: many distinct values of W to step over."""
+
+    def __init__(self, d: int, widths):
+        super().__init__()
+        self.n = len(widths)
+        for i, w in enumerate(widths):
+            setattr(self, f"a{i}", nn.Linear(d, w))
+            setattr(self, f"b{i}", nn.Linear(w, d))
+
+    def forward(self, x):
+        for i in range(self.n):
+            x = x + getattr(self, f"b{i}")(torch.tanh(getattr(self, f"a{i}")(x)))
+        return x
+
+
+def test_lazy_bands_of_w_give_the_exact_staircases_bound():
+    """The menu's staircases of cost over W, solved from one band edge of W to the next with
+    stand-ins between (cut finer where a choice needs them), give the bound of the exact staircases
+    (every step solved), and a composed plan where they do, at every budget from below the
+    boundary plan's peak to no recomputation's (20 of them: a stand-in 1 unit of W too high, or
+    costing twice its due, changes the bound at 4 or more); and some stand-ins are never solved."""
+    from remat_compiler.schedule import no_recompute
+
+    torch.manual_seed(0)
+    model = Stack(3, 16, 0)
+    model.layers = nn.ModuleList([Branches(16, [8, 12, 20, 28]) for _ in range(3)])
+    _, cg = rc.analyze(model, (torch.randn(128, 16, requires_grad=True),))
+    objective = "runtime"
+    cost_of = lambda n: cost_units(cg, n, objective)  # noqa: E731
+    low = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes // 2
+    high = no_recompute(cg).peak_bytes
+    exact_menus, lazy_menus = {}, {}
+    finite = 0
+    for budget in range(low, high + 1, (high - low) // 20):
+        exact = block_bound(cg, budget, cost_of, deadline=Deadline(60), menus=exact_menus, cost_key=objective,
+                            w_granule=1)
+        lazy = block_bound(cg, budget, cost_of, deadline=Deadline(60), menus=lazy_menus, cost_key=objective,
+                           w_granule=64 * 1024)
+        assert lazy.bound == exact.bound, budget
+        assert (lazy.saved is None) == (exact.saved is None), budget
+        finite += 0 < exact.bound < float("inf")
+    assert finite >= 12
+    (menu,) = lazy_menus.values()
+    assert any(o.w_range is not None for points in menu.bands.values() for o in points)

@@ -42,8 +42,9 @@ Blocks being identical (same ops, the same reads at the same steps relative to t
 block's plans serve all. Its *menu* is the staircase of (H, W, cost): H is cut into bands at
 multiples of the block's value sizes; a band is stood for by one optimistic point (its least H,
 the least W of any plan, its least cost) until a dynamic programme over the blocks (state: the
-summed H) picks it, then replaced by the exact staircase of cost over W of its plans, each labelled
-with the band's least H; the programme runs again until it picks no stand-in. Every point comes
+summed H) picks it, then replaced by the staircase of cost over W of its plans, each labelled with
+the band's least H, itself solved band by band of W with stand-ins between, made exact where the
+programme picks them; the programme runs again until it picks no stand-in. Every point comes
 from a CP-SAT solve proven optimal, so each block plan is dominated by a point of the menu (no
 larger H, W or cost), and the least total is a valid bound. The programme's choice is also a plan:
 its block plans composed, everything outside the blocks saved; when it fits (the caller lets CP-SAT
@@ -69,6 +70,11 @@ from remat_compiler.solvers.cpsat.run import new_solver, run_solver
 
 __all__ = ["BlockBound", "block_bound"]
 
+#: The bands of W in a block's menu, in granules of H's bands, and how many finer bands each is cut
+#: into when a choice needs it (see ``_Menu``).
+W_GRANULES = 4
+W_SPLIT = 16
+
 
 @dataclass
 class BlockBound:
@@ -81,6 +87,7 @@ class BlockBound:
     block_candidates: set[str] = field(default_factory=set)
     menu_size: int = 0
     time_s: float = 0.0
+    solves: int = 0  # staircase solves of cost over W made for the menu so far (kept menus: all calls')
 
 
 class _Layout:
@@ -331,26 +338,32 @@ def _clone_var(m: cp_model.CpModel, v):
     return m.get_int_var_from_proto_index(v.index)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a stand-in is refined as the object the menu holds
 class _MenuPoint:
-    """A point of a block's menu: its measures (bytes) and the block plan reaching them."""
+    """A point of a block's menu: its measures (bytes) and the block plan reaching them (None: a
+    stand-in, no plan). A stand-in for the plans of a band whose W lies in ``(lo, hi]`` (model
+    units, the exact staircase between them not yet solved) has ``w_range = (lo, hi)``."""
 
     H: int
     W: int
     cost: int
-    saved: frozenset[int]  # positions in the block's node list
+    saved: frozenset[int] | None  # positions in the block's node list
+    w_range: tuple[int, int] | None = None
+    granule: int = 0  # a W stand-in's: the bands of W (bytes) its range was cut from
 
 
-def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None, below=None):
+def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None, below=None,
+               cap: int | None = None, floor: int | None = None):
     """Block plans along the exact staircase of ``x -> least cost with measure <= x`` (and
-    ``H <= H_cap``, in the model's units): each solve minimises cost, then the measure; the next
-    asks for a smaller measure: at most ``below(x)`` (model units; default ``x - 1``: every step of
-    the staircase; None: stop). Returns the options, or None if a solve is not proven optimal by
-    the deadline."""
+    ``H <= H_cap``, in the model's units): each solve minimises cost, then the measure; the first
+    asks for ``measure <= cap`` (None: any), the next for a smaller measure: at most ``below(x)``
+    (model units; default ``x - 1``: every step of the staircase; None: stop). A solve whose
+    measure is at most ``floor`` ends it, its plan left out. Returns the options, or None if a
+    solve is not proven optimal by the deadline."""
     dom = measure.proto.domain
     hi = dom[len(dom) - 1]  # (a protobuf field: no negative index)
     pos = {v: i for i, v in enumerate(bm.nodes)}
-    options, cap = [], None
+    options = []
     while True:
         left = deadline.left()
         if left <= 0:
@@ -373,6 +386,8 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
         if status != cp_model.OPTIMAL:
             return None
         cost, x = divmod(int(round(solver.objective_value)), hi + 1)
+        if floor is not None and x <= floor:
+            return options
         options.append(_MenuPoint(
             H=solver.value(_clone_var(m, bm.H)) * bm.unit, W=solver.value(_clone_var(m, bm.W)) * bm.unit,
             cost=cost,
@@ -419,15 +434,24 @@ class _Menu:
     below a multiple, so a plan whose H is a multiple sits at its band's lower edge. Band ``b``
     (plans with H in ``(lo_b, hi_b]``) is stood for by ``(lo_b + 1 unit, W_min, least cost with
     H <= hi_b)`` until refined, then by the staircase of cost over W of the plans with
-    ``H <= hi_b``, each labelled ``lo_b + 1 unit`` (0 for the first band). Either way every plan
-    of the band is dominated (no larger H, W or cost) by a point of the menu, so the menu's least
-    total bounds every plan's.
+    ``H <= hi_b``, each labelled ``lo_b + 1 unit`` (0 for the first band). That staircase is solved
+    the same way, lazily: from one edge of W's bands (multiples of ``w_granule``) to the next, so
+    each point found, of W ``x``, is the least cost with W at most the edge above it; the plans
+    with W between the edge below, ``lo``, and ``x`` are stood for by ``(max(lo + 1 unit, W_min),
+    that cost)`` until a choice needs them, then solved the same way on bands :data:`W_SPLIT` times
+    finer, down to single steps. Either way every plan of the band is dominated (no larger H, W or
+    cost) by a point of the menu, so the menu's least total bounds every plan's; and a choice of
+    found points only is the least total of the exact menu.
     """
 
-    def __init__(self, bm: _BlockModel, bm_h: _BlockModel, sizes: list[int], deadline: Deadline):
+    def __init__(self, bm: _BlockModel, bm_h: _BlockModel, sizes: list[int], deadline: Deadline,
+                 w_granule: int | None = None):
         self.bm = bm
         big = [x for x in sizes if x >= max(sizes) // 64]
         granule = max(reduce(math.gcd, big, 0), bm.unit)
+        # W's bands: 4 of H's (on GPT-2's block traced for Inductor, 1 MiB: the exact staircases of
+        # cost over W took 31 to 83 solves a band, 41 s at the checkpoint-every-block budget)
+        self.w_granule = max(w_granule or W_GRANULES * granule, bm.unit)
         # the menu reads levels only at band edges (least cost with H <= an edge) and their least H
         # against an edge: one solve per edge the staircase steps over is enough (on GPT-2's block
         # traced for Inductor, 222 steps of one unit took 34 s; see _edge_below)
@@ -441,6 +465,7 @@ class _Menu:
         edges = [-1] + cuts + [top]
         self.edges = sorted(set(edges))  # band b: (edges[b], edges[b + 1]]
         self.bands: dict[int, list[_MenuPoint]] = {}
+        self.solves = 0  # staircase solves made for the bands (W's), a measure of the work
 
     def _label(self, b: int) -> int:
         """The least H of band b's plans (H is a multiple of the unit, above the band's lower edge)."""
@@ -449,8 +474,9 @@ class _Menu:
     def _least_cost(self, h: int) -> int:
         return min(o.cost for o in self.levels if o.H <= h)
 
-    def options(self) -> tuple[list[_MenuPoint], list[int | None]]:
-        """The current menu and, per option, the band it stands in for (None: refined)."""
+    def options(self) -> tuple[list[_MenuPoint], list]:
+        """The current menu and, per option, what refining it takes: None (a found plan), a band
+        (its stand-in) or ``(band, point)`` (a stand-in for a range of W in a refined band)."""
         menu, stand = [], []
         for b in range(len(self.edges) - 1):
             hi = self.edges[b + 1]
@@ -458,29 +484,69 @@ class _Menu:
                 continue  # no plan has H this low
             if b in self.bands:
                 menu.extend(self.bands[b])
-                stand.extend([None] * len(self.bands[b]))
+                stand.extend(None if o.saved is not None else (b, o) for o in self.bands[b])
             else:
                 menu.append(_MenuPoint(H=self._label(b), W=self.w_min, cost=self._least_cost(hi), saved=None))
                 stand.append(b)
         return menu, stand
 
-    def refine(self, bands, deadline: Deadline, workers: int = 2) -> bool:
-        """Compute these bands' staircases (in parallel: CP-SAT releases the GIL); False if one is
-        not proven in time."""
+    def _w_points(self, b: int, deadline: Deadline, granule: int, cap: int | None = None,
+                  floor: int | None = None):
+        """Band b's staircase of cost over W, for W in ``(floor, cap]`` (model units; None: any),
+        solved from one edge of W's bands of ``granule`` bytes to the next (step by step at the
+        unit), each point followed by the stand-in for the plans of W between the edge below it
+        and it. Returns (points, solves); points None if a solve is not proven in time."""
         bm = self.bm
+        unit = bm.unit
+        low = -1 if floor is None else floor
 
-        def band(b):
-            points = _staircase(bm, bm.W, deadline, H_cap=self.edges[b + 1] // bm.unit)
-            if points is None:
-                return b, None
-            return b, [_MenuPoint(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved) for o in points]
+        def edge(x):
+            e = _edge_below(x, unit, granule) if granule > unit else x - 1
+            return e if e is not None and e > low else None
 
+        points = _staircase(bm, bm.W, deadline, H_cap=self.edges[b + 1] // unit, below=edge, cap=cap,
+                            floor=floor)
+        if points is None:
+            return None, 0
+        out = []
+        for o in points:
+            out.append(_MenuPoint(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved))
+            x = o.W // unit
+            lo = edge(x)
+            lo = low if lo is None else lo
+            least = max(lo + 1, -(-self.w_min // unit))
+            if granule > unit and least <= x - 1:
+                # every plan of W in (lo, x - 1] costs at least o.cost: o is the least with a larger cap
+                out.append(_MenuPoint(H=self._label(b), W=least * unit, cost=o.cost, saved=None,
+                                      w_range=(lo, x - 1), granule=granule))
+        return out, len(points) + 1
+
+    def refine(self, todo, deadline: Deadline, workers: int = 2) -> bool:
+        """Refine these stand-ins (bands, or ``(band, point)`` for W's; in parallel: CP-SAT releases
+        the GIL); False if a staircase is not proven in time."""
+        unit = self.bm.unit
+
+        def task(item):
+            if not isinstance(item, tuple):
+                return item, self._w_points(item, deadline, self.w_granule)
+            b, standin = item
+            lo, hi = standin.w_range
+            finer = max(unit, standin.granule // W_SPLIT // unit * unit)
+            return item, self._w_points(b, deadline, finer, cap=hi, floor=lo)
+
+        bands = sorted(item for item in todo if not isinstance(item, tuple))
+        ranges = [item for item in todo if isinstance(item, tuple)]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            done = list(pool.map(band, sorted(bands)))
-        for b, points in done:
+            done = list(pool.map(task, bands + ranges))
+        for item, (points, solves) in done:
+            self.solves += solves
             if points is None:
                 return False
-            self.bands[b] = points
+            if isinstance(item, tuple):
+                b, standin = item
+                self.bands[b] = [o for p in self.bands[b] for o in (points if p is standin else [p])]
+            else:
+                self.bands[item] = points
         return True
 
 
@@ -548,7 +614,7 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int):
 
 
 def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline, menus: dict | None = None,
-                cost_key=None, min_blocks: int = 3) -> BlockBound | None:
+                cost_key=None, min_blocks: int = 3, w_granule: int | None = None) -> BlockBound | None:
     """A lower bound on the summed ``cost_of`` of every plan of the CP-SAT model that fits
     ``budget_bytes``, and its choice composed into a saved set (see the module docstring).
 
@@ -559,7 +625,9 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     None when the graph has fewer than ``min_blocks`` identical blocks, they differ in what the
     decomposition uses, or the first staircases are not proven by the ``deadline``. The menu does
     not depend on the budget: it is kept in ``menus`` (a :class:`~.memo.SolveMemo`'s), by graph,
-    ``cost_key`` (the objective) and the block's costs, when both are given.
+    ``cost_key`` (the objective) and the block's costs, when both are given. ``w_granule``: the
+    bytes of the menu's first bands of W (default :data:`W_GRANULES` of H's; 1: no bands, every
+    step of the staircases solved), which change the work, not the bound.
     """
     t_start = time.perf_counter()
     lay = _Layout(cg)
@@ -570,14 +638,14 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     frame = _Frame(cg, lay, fixed, k)
     # the fingerprint does not cover costs (a runtime estimate depends on the cost model): key on
     # the reference block's costs too
-    key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]))
+    key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]), w_granule)
     keep = menus is not None and cost_key is not None
     menu = menus.get(key) if keep else None
     if menu is None:
         cands = set(cg.candidates)
         sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in cands]
         menu = _Menu(_BlockModel(cg, lay, k, cost_of, fixed),
-                     _BlockModel(cg, lay, k, cost_of, fixed, memory=False), sizes, deadline)
+                     _BlockModel(cg, lay, k, cost_of, fixed, memory=False), sizes, deadline, w_granule)
         if not menu.ok:
             return None
         if keep:
@@ -592,13 +660,14 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         if not todo:
             break
         # the next choice often moves to a neighbouring band: refine those along (both cores busy)
-        todo |= {b + d for b in todo for d in (-1, 1) if 0 <= b + d < len(menu.edges) - 1
-                 and b + d not in menu.bands}
+        todo |= {b + d for b in todo if not isinstance(b, tuple) for d in (-1, 1)
+                 if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
         if not menu.refine(todo, deadline):
-            return BlockBound(bound=cost, time_s=time.perf_counter() - t_start, menu_size=len(options))
+            return BlockBound(bound=cost, time_s=time.perf_counter() - t_start, menu_size=len(options),
+                              solves=menu.solves)
     block_cands = {v for ns in lay.nodes for v in ns} & set(cg.candidates)
     saved = set(cg.candidates) - block_cands
     for m, i in enumerate(choice):
         saved |= {lay.nodes[m][p] for p in options[i].saved}
     return BlockBound(bound=cost, saved=saved, block_candidates=block_cands, menu_size=len(options),
-                      time_s=time.perf_counter() - t_start)
+                      time_s=time.perf_counter() - t_start, solves=menu.solves)
