@@ -221,6 +221,7 @@ def measure_row(task: dict) -> dict:
     if planned is not None:
         inductor = planned.backend == "inductor"
         result.update(backend=planned.backend, plan_peak_bytes=planned.plan.peak_bytes,
+                      recompute_flops=planned.plan.recompute_flops, plan_gap=planned.plan.gap,
                       predicted_peak_bytes=planned.compiled.peak_bytes if inductor else planned.plan.peak_bytes,
                       first_step_bytes=planned.first_step_bytes, timings=planned.timings)
         _no_grads(runner, args, kwargs)
@@ -320,7 +321,7 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
 
 TABLE_HEADER = ("| runner | setting | budget (MiB) | RSS peak (MiB) | predicted (MiB) | predicted / RSS "
                 "| tracked (MiB) | step (ms) | step-time ratio | vs peer | compile (s) | runs as "
-                "| max abs grad error | target |")
+                "| recomputed GFLOP (gap) | max abs grad error | target |")
 
 
 def _mib(n) -> str:
@@ -358,6 +359,17 @@ def _met(row: dict, peer: dict) -> tuple[bool, str]:
                 f"(peer {_mib(peer['rss_peak_bytes'])} MiB at {peer['step_ratio']:.2f})")
 
 
+def _plan_cost(row: dict) -> str:
+    """What a remat_compiler row's plan recomputes, and CP-SAT's proven gap on it.
+
+    >>> _plan_cost({"recompute_flops": 4_429_185_024, "plan_gap": 0.0456}), _plan_cost({})
+    ('4.43 (0.05)', '-')
+    """
+    if row.get("recompute_flops") is None:
+        return "-"
+    return f"{row['recompute_flops'] / 1e9:.2f} ({row.get('plan_gap', 0.0):.2f})"
+
+
 def format_table(doc: dict) -> str:
     """One workload's rows as a Markdown table under :data:`TABLE_HEADER`."""
     by_label = {_label(r): r for r in doc["rows"] if not r["kind"].startswith("remat")}
@@ -366,7 +378,7 @@ def format_table(doc: dict) -> str:
         runner = {"remat inductor": "remat_compiler inductor", "remat eager": "remat_compiler eager"
                   }.get(r["kind"], r["kind"])
         if r.get("status") != "ok":
-            cells = [runner, r["setting"], _mib(r.get("budget_bytes"))] + ["-"] * 10 + \
+            cells = [runner, r["setting"], _mib(r.get("budget_bytes"))] + ["-"] * 11 + \
                 [f"{r['status']}: {r.get('note', '')}"]
         else:
             pred, rss = r.get("predicted_peak_bytes"), r["rss_peak_bytes"]
@@ -377,7 +389,7 @@ def format_table(doc: dict) -> str:
                      "-" if pred is None or rss <= 0 else f"{pred / rss:.3f}", _mib(r.get("tracked_peak_bytes")),
                      f"{r['step_s'] * 1e3:.1f}", f"{r['step_ratio']:.2f}", _num(r.get("vs_peer"), ".2f"),
                      "-" if r["kind"] in ("eager", "checkpoint") else f"{r['compile_s']:.1f}",
-                     r.get("backend", "-"), _num(r.get("max_grad_error"), ".1e"), target]
+                     r.get("backend", "-"), _plan_cost(r), _num(r.get("max_grad_error"), ".1e"), target]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -71,7 +71,8 @@ def test_inductor_peers_table_and_targets():
         row("remat inductor", "@ torch.compile budget 0.5 peak", 79, 0.75, budget_bytes=80 * mib,
             predicted_peak_bytes=78 * mib, peer="torch.compile budget 0.5", vs_peer=0.97, **remat),
         row("remat inductor", "@ checkpoint every block peak", 61, 0.9, budget_bytes=60 * mib,
-            predicted_peak_bytes=50 * mib, peer="checkpoint every block", **remat),
+            predicted_peak_bytes=50 * mib, peer="checkpoint every block", recompute_flops=4_429_185_024,
+            plan_gap=0.0456, **remat),
         {"workload": "gpt2", "kind": "remat eager", "setting": "@ checkpoint every block peak",
          "status": "infeasible", "note": "needs >= 70 MiB", "budget_bytes": 60 * mib},
     ]}
@@ -83,6 +84,7 @@ def test_inductor_peers_table_and_targets():
     assert targets[0] == ("- at torch.compile budget 0.5's peak: met, 79.00 MiB (peer 80.00 MiB), step 0.97 of "
                           "the peer's in the same rounds")
     assert "| 0.75 | 0.97 |" in table[5] and "| 0.90 | - |" in table[6]
+    assert "| inductor | - |" in table[5] and "| inductor | 4.43 (0.05) |" in table[6]
     # timed beside its peer, a row slower than the peer in the same rounds does not meet its target, even
     # when its ratio to eager (another process's) is below the peer's
     doc["rows"][3]["vs_peer"] = 1.02
