@@ -353,13 +353,13 @@ class _MenuPoint:
 
 
 def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None, below=None,
-               cap: int | None = None, floor: int | None = None):
+               cap: int | None = None, floor: int | None = None, solves: list | None = None):
     """Block plans along the exact staircase of ``x -> least cost with measure <= x`` (and
     ``H <= H_cap``, in the model's units): each solve minimises cost, then the measure; the first
     asks for ``measure <= cap`` (None: any), the next for a smaller measure: at most ``below(x)``
     (model units; default ``x - 1``: every step of the staircase; None: stop). A solve whose
     measure is at most ``floor`` ends it, its plan left out. Returns the options, or None if a
-    solve is not proven optimal by the deadline."""
+    solve is not proven optimal by the deadline; each solve appends 1 to ``solves`` when given."""
     dom = measure.proto.domain
     hi = dom[len(dom) - 1]  # (a protobuf field: no negative index)
     pos = {v: i for i, v in enumerate(bm.nodes)}
@@ -381,6 +381,8 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
         solver.parameters.linearization_level = 0
         solver.parameters.max_time_in_seconds = left
         status = run_solver(solver, m)
+        if solves is not None:
+            solves.append(1)
         if status == cp_model.INFEASIBLE:
             return options
         if status != cp_model.OPTIMAL:
@@ -504,10 +506,11 @@ class _Menu:
             e = _edge_below(x, unit, granule) if granule > unit else x - 1
             return e if e is not None and e > low else None
 
+        solves = []
         points = _staircase(bm, bm.W, deadline, H_cap=self.edges[b + 1] // unit, below=edge, cap=cap,
-                            floor=floor)
+                            floor=floor, solves=solves)
         if points is None:
-            return None, 0
+            return None, len(solves)
         out = []
         for o in points:
             out.append(_MenuPoint(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved))
@@ -519,7 +522,7 @@ class _Menu:
                 # every plan of W in (lo, x - 1] costs at least o.cost: o is the least with a larger cap
                 out.append(_MenuPoint(H=self._label(b), W=least * unit, cost=o.cost, saved=None,
                                       w_range=(lo, x - 1), granule=granule))
-        return out, len(points) + 1
+        return out, len(solves)
 
     def refine(self, todo, deadline: Deadline, workers: int = 2) -> bool:
         """Refine these stand-ins (bands, or ``(band, point)`` for W's; in parallel: CP-SAT releases
