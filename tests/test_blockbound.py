@@ -138,18 +138,24 @@ class Branches(nn.Module):
         return x
 
 
+class BranchStack(Stack):
+    """Stack's forward and loss over blocks of :class:`Branches`."""
+
+    def __init__(self, n: int, d: int, widths):
+        nn.Module.__init__(self)
+        self.layers = nn.ModuleList([Branches(d, widths) for _ in range(n)])
+
+
 def test_lazy_bands_of_w_give_the_exact_staircases_bound():
     """The menu's staircases of cost over W, solved from one band edge of W to the next with
     stand-ins between (cut finer where a choice needs them), give the bound of the exact staircases
     (every step solved), and a composed plan where they do, at every budget from below the
-    boundary plan's peak to no recomputation's (20 of them: a stand-in 1 unit of W too high, or
-    costing twice its due, changes the bound at 4 or more); and some stand-ins are never solved."""
+    boundary plan's peak to no recomputation's (20 of them: a stand-in at the top of its range of W,
+    or costing twice its due, changes the bound at some); and some stand-ins are never solved."""
     from remat_compiler.schedule import no_recompute
 
     torch.manual_seed(0)
-    model = Stack(3, 16, 0)
-    model.layers = nn.ModuleList([Branches(16, [8, 12, 20, 28]) for _ in range(3)])
-    _, cg = rc.analyze(model, (torch.randn(128, 16, requires_grad=True),))
+    _, cg = rc.analyze(BranchStack(3, 16, [8, 12, 20, 28]), (torch.randn(128, 16, requires_grad=True),))
     objective = "runtime"
     cost_of = lambda n: cost_units(cg, n, objective)  # noqa: E731
     low = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes // 2
