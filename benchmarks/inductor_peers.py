@@ -23,7 +23,8 @@ step is the compile time: trace + plan + Inductor for remat_compiler), a second 
 then one step of the row under :class:`~remat_compiler.memory.ResidentPeak` with every gradient None
 (the peak; it first gives back the small buffers those steps left in malloc's heap), and for
 remat_compiler one more under a :class:`~remat_compiler.memory.LiveStorageTracker` that
-:func:`remat_compiler.inductor.watch` lets see Inductor's buffers (the exact peak, "tracked"). Last, the row and eager are timed round-robin
+:func:`remat_compiler.inductor.watch` lets see Inductor's buffers (the exact peak, "tracked").
+Last, the row and eager are timed round-robin
 (:func:`~benchmarks.measure.time_round_robin`, the order reversed every other round): the step-time
 ratio is the median over rounds of the row's step over eager's in the same round. Before the timing,
 :func:`~benchmarks.measure.keep_freed_memory` has malloc keep freed buffers, as a process started

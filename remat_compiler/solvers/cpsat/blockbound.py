@@ -414,12 +414,13 @@ def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
 
 
 def _edge_below(x: int, unit: int, granule: int) -> int | None:
-    """The largest band edge (``k * granule - unit`` bytes, ``k >= 1``) below a plan's H of ``x``
-    model units, in model units; None when there is none (the plan is in the first band).
+    """The largest band edge (``k * granule - unit`` bytes, ``k >= 1``) below a plan's measure (H or
+    W) of ``x`` model units, in model units; None when there is none (the plan is in the first band).
 
-    The least cost with H at most an edge ``e`` is the cost of the staircase point at the smallest
-    cap at or above ``e``, when that point's H is at most ``e``: capping H at the next edge below
-    each point's H finds every edge's least cost, and whether any plan has H at most it.
+    The least cost with the measure at most an edge ``e`` is the cost of the staircase point at the
+    smallest cap at or above ``e``, when that point's measure is at most ``e``: capping the measure
+    at the next edge below each point's finds every edge's least cost, and whether any plan has a
+    measure that low.
 
     >>> _edge_below(10, 1, 4), _edge_below(8, 1, 4), _edge_below(3, 1, 4)
     (7, 7, None)
@@ -452,7 +453,7 @@ class _Menu:
         big = [x for x in sizes if x >= max(sizes) // 64]
         granule = max(reduce(math.gcd, big, 0), bm.unit)
         # W's bands: 4 of H's (on GPT-2's block traced for Inductor, 1 MiB: the exact staircases of
-        # cost over W took 31 to 83 solves a band, 41 s at the checkpoint-every-block budget)
+        # cost over W took 380 solves, 48.4 s at 60.25 MiB; benchmarks.menu_check)
         self.w_granule = max(w_granule or W_GRANULES * granule, bm.unit)
         # the menu reads levels only at band edges (least cost with H <= an edge) and their least H
         # against an edge: one solve per edge the staircase steps over is enough (on GPT-2's block
