@@ -45,10 +45,14 @@ __all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", 
 def _decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
+    from passes.loss import WHOLE_LOSS_OPS
+
     # native_dropout stays whole: passes.rng rewrites it as a replayable remat::dropout_at, which
-    # Inductor runs as a fallback kernel drawing eager's numbers
-    return {op: fn for op, fn in select_decomp_table().items()
-            if not str(op).startswith("aten.native_dropout.")}
+    # Inductor runs as a fallback kernel drawing eager's numbers. The loss head's ops become opaque
+    # twins (passes.loss.WHOLE_LOSS_OPS): planned as what runs, and cross-entropy's backward fused
+    table = {op: fn for op, fn in select_decomp_table().items() if not str(op).startswith("aten.native_dropout.")}
+    table.update({op: twin for op, twin in WHOLE_LOSS_OPS.items()})
+    return table
 
 
 #: Inductor's decomposition table, less ``aten.native_dropout`` (see :mod:`passes.rng`).

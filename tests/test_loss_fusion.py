@@ -47,3 +47,65 @@ def test_gpt2_loss_head_is_fused_and_trains_like_eager():
     m(**inputs).loss.backward()
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, eager[n], rtol=1e-5, atol=1e-7), n
+
+
+def _gpt2_with_a_large_vocabulary():
+    """GPT-2 as users build it (library defaults: dropout 0.1, SDPA, use_cache), sizes shrunk, with a
+    vocabulary large against its width, as language models have: the loss head holds the step's peak."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=2048, n_embd=32, n_layer=2, n_head=2, n_positions=64))
+    return model, torch.randint(0, 2048, (2, 64))
+
+
+def _inductor_step(model, ids):
+    """Plan without recomputation for the Inductor backend, step once; the compiled module and the
+    gradients (dropout drawn from seed 1)."""
+    m = rc.compile(model, None, backend="inductor", hold_outputs=False)
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    m(ids, labels=ids).loss.backward()
+    return m, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_under_inductor_the_loss_head_is_planned_whole_and_holds_one_logits_size_less(monkeypatch):
+    """The Inductor backend traces with Inductor's decompositions, which turn log_softmax into five
+    ops and cross-entropy's backward into a scatter into a zero-filled logits-sized tensor. It keeps
+    those three ops whole (``passes.loss.WHOLE_LOSS_OPS``): the backward's pair is fused, so the
+    compiled backward holds two logits-sized tensors where it held three, and the plan prices the
+    loss head as the code runs it (its prediction is the walk of Inductor's code)."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import remat_compiler.inductor as inductor
+
+    model, ids = _gpt2_with_a_large_vocabulary()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    reference(ids, labels=ids).loss.backward()
+    logits_bytes = ids.numel() * 2048 * 4
+
+    m, grads = _inductor_step(copy.deepcopy(model), ids)
+    ops = [m.planned.cg.attr(n, "op") for n in m.planned.cg.order]
+    assert ops.count("remat.log_softmax_nll_backward.default") == 1
+    assert ops.count("remat.log_softmax.default") == 1
+    assert not [op for op in ops if "scatter" in op or "nll_loss_backward.default" in op
+                or "log_softmax_backward_data" in op], ops
+    assert "torch.ops.remat.log_softmax_nll_backward.default(" in m.planned.inductor[1].source
+    for (name, q) in reference.named_parameters():
+        assert torch.allclose(grads[name], q.grad, rtol=1e-4, atol=1e-6), name
+    # the plan prices the loss head as the code runs it: its peak is the walk's, up to small values
+    # Inductor fuses elsewhere (1,648 bytes here)
+    assert abs(m.planned.compiled.peak_bytes - m.plan.peak_bytes) <= 0.001 * m.plan.peak_bytes
+
+    # Inductor's own decompositions (the trace before this change): one logits-sized tensor more
+    from torch._inductor.decomposition import select_decomp_table
+    monkeypatch.setattr(inductor, "DECOMPOSITIONS", {
+        op: fn for op, fn in select_decomp_table().items() if not str(op).startswith("aten.native_dropout.")})
+    old, _ = _inductor_step(copy.deepcopy(model), ids)
+    assert "scatter" in " ".join(str(old.planned.cg.attr(n, "op")) for n in old.planned.cg.order)
+    # its peak, in the backward's loss head, less one logits-sized tensor is above the whole step's now
+    assert old.planned.compiled.peak_node.startswith("backward:")
+    assert old.planned.compiled.peak_bytes - logits_bytes >= m.planned.compiled.peak_bytes
