@@ -173,3 +173,38 @@ def test_lazy_bands_of_w_give_the_exact_staircases_bound():
     assert finite >= 12
     (menu,) = lazy_menus.values()
     assert any(o.w_range is not None for points in menu.bands.values() for o in points)
+
+
+def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the_overshoot(monkeypatch):
+    """The decomposition's composed plan saves everything outside the blocks, and its fix-up only
+    recomputes there: a choice that leaves the blocks too little room has no plan. Then the blocks
+    are chosen again, from the same menus, under the budget lowered by what the composition
+    overshot; the plan found fits the real budget and the bound stays the real budget's."""
+    import remat_compiler.solvers.cpsat.warmstart as warmstart
+    from remat_compiler.schedule import no_recompute, peak_of
+    from remat_compiler.solvers.cpsat.run import Job
+
+    cg = _stack(16, 64, 512)
+    budget = int(0.85 * no_recompute(cg).peak_bytes)  # plans fit from 0.7 of it
+    real, calls = warmstart.block_bound, []
+
+    def choosing_too_much_first(cg_, budget_bytes, *args, **kwargs):
+        found = real(cg_, budget_bytes, *args, **kwargs)
+        calls.append((budget_bytes, found))
+        if len(calls) == 1:  # a choice that saves every block value: no fix-up outside can fit it
+            found.saved = set(cg_.candidates)
+        return found
+    monkeypatch.setattr(warmstart, "block_bound", choosing_too_much_first)
+    job = Job(cg, budget, "flops", Deadline(20.0))
+    seed = warmstart.decomposition(job, 20.0)
+    overshoot = peak_of(cg, set(cg.candidates)) - budget
+    assert overshoot > 0
+    budgets = [b for b, _ in calls]
+    assert budgets == [budget, budget - overshoot]
+    assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
+    assert seed.bound == calls[0][1].bound
+
+    calls.clear()  # without re-choices: no plan from the decomposition, only its bound
+    monkeypatch.setattr(warmstart, "RECHOICES", 0)
+    seed = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
+    assert seed.saved is None and seed.bound == calls[0][1].bound and len(calls) == 1

@@ -37,6 +37,7 @@ SHARES = {
                              # cost search (until SHARES["search"] of T, see .steps) keeps its share
 }
 COMPOSITION_CAP_S = 15.0
+RECHOICES = 3  # times the decomposition chooses its blocks again under a lower budget (see decomposition)
 MIN_PHASE_S = 0.5  # a phase with less time than this before the warm start's end is skipped
 
 
@@ -129,16 +130,37 @@ def composition(job: Job, seconds: float) -> set[str] | None:
 
 def decomposition(job: Job, seconds: float) -> Seed:
     """The block decomposition's bound (:mod:`.blockbound`) and its plan: the bound's choice of
-    block plans, with what lies outside the blocks left to a CP-SAT solve of the full model (the
-    composition saves everything there, which may not fit)."""
+    block plans, with what lies outside the blocks left to a CP-SAT solve of the full model.
+
+    The composition saves everything outside the blocks, and its fix-up recomputes only there; where
+    the choice leaves the blocks too little room for that (GPT-2's loss head at the
+    checkpoint-every-block budget: 3 MiB over), the blocks are chosen again under the budget
+    lowered by what the composition overshot, from the same menus, up to :data:`RECHOICES` times.
+    The bound stays the budget's own."""
     clock = job.deadline.part(seconds)
     found = block_bound(job.cg, job.budget_bytes, job.cost_of, deadline=clock.part(SHARES["bound"] * seconds),
                         menus=job.memo.menus, cost_key=job.objective)
     if found is None:
         return Seed()
-    bound = found.bound
-    if found.saved is None:
-        return Seed(bound=bound)
+    bound, target = found.bound, job.budget_bytes
+    for attempt in range(RECHOICES + 1):
+        if found is None or found.saved is None:
+            break
+        saved = _fix_up(job, found, clock)
+        if saved is not None:
+            return Seed(saved, bound, decomposed=True)
+        over = peak_of(job.cg, found.saved) - job.budget_bytes
+        if attempt == RECHOICES or over <= 0 or clock.left() < MIN_PHASE_S:
+            break
+        target -= over
+        found = block_bound(job.cg, target, job.cost_of, deadline=clock.part(SHARES["bound"] * clock.left()),
+                            menus=job.memo.menus, cost_key=job.objective)
+    return Seed(bound=bound)
+
+
+def _fix_up(job: Job, found, clock) -> set[str] | None:
+    """The decomposition's choice of block plans fixed, the rest solved by CP-SAT under the budget:
+    its saved set, or None where nothing fits (or nothing was found in time)."""
     blocks = found.block_candidates
     rm = build_model(job.cg, job.budget_bytes, objective=job.objective,
                      forced_saved=[v for v in blocks if v in found.saved],
@@ -146,8 +168,6 @@ def decomposition(job: Job, seconds: float) -> Seed:
     hint(rm, job.cg, found.saved)
     status, solver = job.solve(rm.model, max(0.5, clock.left()), deadline=clock)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return Seed(bound=bound)
+        return None
     saved = {v for v, var in rm.saved.items() if solver.value(var)}
-    if peak_of(job.cg, saved) > job.budget_bytes:
-        return Seed(bound=bound)
-    return Seed(saved, bound, decomposed=True)
+    return saved if peak_of(job.cg, saved) <= job.budget_bytes else None
