@@ -51,11 +51,12 @@ def _decompositions() -> dict:
     # Inductor runs as a fallback kernel drawing eager's numbers. The loss head's ops become opaque
     # twins (passes.loss.WHOLE_LOSS_OPS): planned as what runs, and cross-entropy's backward fused
     table = {op: fn for op, fn in select_decomp_table().items() if not str(op).startswith("aten.native_dropout.")}
-    table.update({op: twin for op, twin in WHOLE_LOSS_OPS.items()})
+    table.update(WHOLE_LOSS_OPS)
     return table
 
 
-#: Inductor's decomposition table, less ``aten.native_dropout`` (see :mod:`passes.rng`).
+#: Inductor's decomposition table, less ``aten.native_dropout`` (see :mod:`passes.rng`), with the loss
+#: head's ops mapped to opaque twins (:data:`passes.loss.WHOLE_LOSS_OPS`).
 DECOMPOSITIONS = _decompositions()
 
 

@@ -109,3 +109,38 @@ def test_under_inductor_the_loss_head_is_planned_whole_and_holds_one_logits_size
     # its peak, in the backward's loss head, less one logits-sized tensor is above the whole step's now
     assert old.planned.compiled.peak_node.startswith("backward:")
     assert old.planned.compiled.peak_bytes - logits_bytes >= m.planned.compiled.peak_bytes
+
+
+class _LossHeads(torch.nn.Module):
+    """Loss-head ops that are not cross-entropy's pair: nll_loss on values no log_softmax made (its
+    backward feeds a tanh's), and a log_softmax read by a KL divergence (its backward has no
+    nll_loss_backward to fuse with)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x, target, prior):
+        h = self.lin(x)
+        nll = torch.nn.functional.nll_loss(torch.tanh(h), target)
+        kl = torch.nn.functional.kl_div(torch.log_softmax(h, -1), prior, reduction="batchmean")
+        return nll + kl
+
+
+def test_under_inductor_the_loss_heads_whole_ops_run_unfused_where_they_are_not_a_pair():
+    torch.manual_seed(0)
+    model = _LossHeads()
+    x, target, prior = torch.randn(32, 16), torch.randint(0, 8, (32,)), torch.softmax(torch.randn(32, 8), -1)
+    model(x, target, prior).backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    m = rc.compile(model, None, backend="inductor")
+    m(x, target, prior).backward()
+    ops = [m.planned.cg.attr(n, "op") for n in m.planned.cg.order]
+    assert m.planned.backend == "inductor"
+    assert {"remat.nll_loss_backward.default", "remat.log_softmax_backward_data.default",
+            "remat.log_softmax.default"} <= set(ops)
+    assert "remat.log_softmax_nll_backward.default" not in ops
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, eager[n], rtol=1e-5, atol=1e-7), n
