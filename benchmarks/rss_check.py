@@ -1,14 +1,15 @@
-"""Does peak resident-set growth (:class:`remat_compiler.memory.ResidentPeak`) measure what the
-dispatch-mode tracker measures? On eager steps, where the tracker sees every allocation, the two must
-agree; the RSS method is then the one that also sees Inductor's buffers.
+"""Do peak resident-set growth (:class:`remat_compiler.memory.ResidentPeak`) and the allocator's
+peak (:class:`remat_compiler.memory.AllocatorPeak`) measure what the dispatch-mode tracker measures?
+On eager steps, where the tracker sees every tensor the step makes, they must agree; both also see
+Inductor's buffers, which the tracker does not.
 
 ::
 
-    python -m benchmarks.rss_check            # a table: tracker peak, RSS peak, difference
+    python -m benchmarks.rss_check            # a table: tracker, RSS and allocator peaks
 
-Each row runs in a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536``: one warm-up step, one
-step under the tracker, one under ``ResidentPeak`` (gradients reset to None before each, as training
-starts a step).
+Each row runs in a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536``: two warm-up steps, one
+step under the tracker, one under ``ResidentPeak``, one under ``AllocatorPeak`` (gradients reset to
+None before each, as training starts a step).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _child(case: str) -> dict:
     """Runs in the fresh process: the tracker's and the resident set's peak of one eager step."""
     import torch
 
-    from remat_compiler.memory import LiveStorageTracker, ResidentPeak
+    from remat_compiler.memory import AllocatorPeak, LiveStorageTracker, ResidentPeak
 
     torch.set_num_threads(1)  # one thread: no per-thread arenas growing between the two steps
     model, args, kwargs, loss_fn = _build(case.removesuffix("-inductor"))
@@ -70,7 +71,12 @@ def _child(case: str) -> dict:
         p.grad = None
     with ResidentPeak() as rss:
         step()
-    return {"case": case, "tracker_bytes": tracker.peak_bytes, "rss_bytes": rss.peak_bytes}
+    for p in model.parameters():
+        p.grad = None
+    with AllocatorPeak() as allocator:
+        step()
+    return {"case": case, "tracker_bytes": tracker.peak_bytes, "rss_bytes": rss.peak_bytes,
+            "allocator_bytes": allocator.peak_bytes}
 
 
 def run_fresh(function: str, arg, timeout_s: float = 300, env: dict | None = None):
@@ -120,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     args = p.parse_args(argv)
-    print(f"{'case':14} {'tracker (MiB)':>14} {'RSS (MiB)':>10} {'RSS / tracker':>14}")
+    print(f"{'case':14} {'tracker (MiB)':>14} {'RSS (MiB)':>10} {'allocator (MiB)':>16} {'RSS / tracker':>14} "
+          f"{'allocator / tracker':>20}")
     for case in args.cases.split(","):
         r = measure_case(case)
-        print(f"{case:14} {r['tracker_bytes'] / 2**20:14.2f} {r['rss_bytes'] / 2**20:10.2f} "
-              f"{r['rss_bytes'] / r['tracker_bytes']:14.3f}")
+        tracked = r["tracker_bytes"]
+        print(f"{case:14} {tracked / 2**20:14.2f} {r['rss_bytes'] / 2**20:10.2f} {r['allocator_bytes'] / 2**20:16.2f} "
+              f"{r['rss_bytes'] / tracked:14.3f} {r['allocator_bytes'] / tracked:20.3f}")
     return 0
 
 

@@ -16,6 +16,12 @@ goes back to the kernel: run it in a fresh process started with ``MALLOC_MMAP_TH
 (:data:`RSS_ENV`), so every buffer of 64 KiB or more is its own mapping, unmapped when freed; smaller
 allocations and first-touched code pages are noise, which a warm-up step before the measured one
 removes. Linux only.
+
+:class:`AllocatorPeak` sees every buffer PyTorch's CPU allocator hands out, whoever asks: the
+dispatcher's ops, Inductor's generated code, and the temporaries kernels allocate inside themselves.
+It reads the allocations and frees the profiler records (``profile_memory=True``) and adds them up in
+time order. It is the budget's own quantity (tensor memory; see ``DESIGN.md``, "The memory budget"),
+where the resident set also counts the process's other memory (Python objects, malloc's bookkeeping).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "RSS_ENV", "release_free_heap",
+__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "AllocatorPeak", "RSS_ENV", "release_free_heap",
            "glibc_function"]
 
 #: The environment a process measuring with :class:`ResidentPeak` must start with (glibc reads it at
@@ -211,4 +217,80 @@ class ResidentPeak:
 
     def __exit__(self, *exc) -> bool:
         self.peak_bytes = _status_bytes("VmHWM")["VmHWM"] - self._start
+        return False
+
+
+class AllocatorPeak:
+    """Peak growth of the bytes PyTorch's CPU allocator has handed out over the ``with`` block.
+
+    Every CPU tensor's storage comes from ``c10``'s allocator, which reports each allocation and
+    free to the profiler when it records memory: the dispatcher's ops, Inductor's generated code
+    (``empty_strided_cpu``, which :class:`LiveStorageTracker` sees only through
+    :func:`remat_compiler.inductor.watch`), and the temporaries a kernel allocates inside itself,
+    which no dispatch mode sees. The running sum of those events, in time order, peaks at
+    ``peak_bytes``. Frees of storage allocated before the block are not counted (the profiler does
+    not know their size; torch warns once that it leaves them out), so, as for
+    :class:`LiveStorageTracker`, the figure is what the block allocates on top of what was there.
+    Memory that is not a tensor's storage (Python objects, malloc's own bookkeeping and
+    fragmentation, thread stacks) is not counted: :class:`ResidentPeak` sees that too. Needs no
+    special process environment, only that no other profiler is running.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        The most the allocator's live bytes rose above their level at the block's start.
+    peak_op : str or None
+        The innermost recorded op running when that peak was reached (an aten op, or the compiled
+        graph's call for Inductor's own code); None if nothing was allocated.
+    allocations : int
+        How many allocations the block made.
+
+    Raises
+    ------
+    RuntimeError
+        On exit, if the profiler's records cannot be read on this build of torch.
+
+    Example
+    -------
+    >>> import torch
+    >>> x = torch.randn(256, 256)
+    >>> with AllocatorPeak() as mem:
+    ...     y = (x @ x).relu()       # the product, then relu's output: both live at relu
+    >>> mem.peak_bytes == 2 * x.nbytes
+    True
+    """
+
+    def __init__(self):
+        self.peak_bytes = 0
+        self.peak_op: str | None = None
+        self.allocations = 0
+        self._profiler = None
+
+    def __enter__(self) -> "AllocatorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._profiler.__exit__(*exc)
+        results = getattr(getattr(self._profiler, "profiler", None), "kineto_results", None)
+        if results is None:
+            raise RuntimeError("AllocatorPeak: this torch's profiler keeps no kineto_results to read the "
+                               "allocator's events from; measure with ResidentPeak instead")
+        events = results.events()
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        live = peak = 0
+        peak_ns = None
+        for start_ns, nbytes in memory:
+            live += nbytes
+            self.allocations += nbytes > 0
+            if live > peak:
+                peak, peak_ns = live, start_ns
+        self.peak_bytes = peak
+        if peak_ns is not None:
+            around = [e for e in events if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.end_ns()]
+            self.peak_op = max(around, key=lambda e: e.start_ns()).name() if around else None
         return False

@@ -15,7 +15,7 @@ import remat_compiler
 import remat_compiler.inductor as inductor
 from examples.models import build_mlp
 from remat_compiler.inductor import EmittedPeak, InductorGraph, UnreadableCodeError, _Storages, _walk
-from remat_compiler.memory import LiveStorageTracker
+from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
 
 
 def _measured_step(m, model, step) -> int:
@@ -211,6 +211,11 @@ def test_an_inductor_plan_keeps_its_saved_values_gradients_and_budget():
     assert measured <= budget
     assert measured <= walked <= 1.10 * measured, (measured, walked)
     assert m.planned.first_step_bytes == measured  # the first step's own check measures the same
+    for p in model.parameters():
+        p.grad = None
+    with AllocatorPeak() as allocator:  # every buffer Inductor's code allocates, by the allocator's count
+        loss_fn(m(x)).backward()
+    assert allocator.peak_bytes == measured
 
 
 def test_gpt2_at_its_default_config_trains_like_eager_under_inductor():

@@ -1,17 +1,58 @@
-"""The resident-set measurement agrees with the dispatch-mode tracker where both see everything (an
-eager step), so it can stand in where the tracker is blind (Inductor's own buffers)."""
+"""The resident-set and allocator measurements agree with the dispatch-mode tracker where it sees
+everything (an eager step), so they can stand in where it is blind (Inductor's own buffers, and the
+temporaries a kernel allocates inside itself, which only the allocator sees)."""
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.rss_check import measure_case
-from remat_compiler.memory import ResidentPeak
+from remat_compiler.memory import AllocatorPeak, LiveStorageTracker, ResidentPeak
 
 
 def test_resident_peak_agrees_with_the_tracker_on_an_eager_step():
     r = measure_case("mlp-wide")
     assert r["tracker_bytes"] > 16 * 2**20  # big enough that pages and arenas are noise
     assert abs(r["rss_bytes"] - r["tracker_bytes"]) <= 0.02 * r["tracker_bytes"], r
+    assert r["allocator_bytes"] == r["tracker_bytes"], r  # the same tensors, counted by their allocations
+
+
+def test_the_allocators_peak_is_the_trackers_on_an_eager_training_step():
+    from examples.models import build_mlp
+
+    model, (x,), _ = build_mlp(width=256, depth=6, batch=128, seed=0)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        model(x).square().mean().backward()
+    step()
+    tracker = LiveStorageTracker()
+    with tracker:
+        step()
+    with AllocatorPeak() as allocator:
+        step()
+    assert tracker.peak_bytes > 1_000_000
+    assert allocator.peak_bytes == tracker.peak_bytes
+    assert allocator.allocations >= 2 * 6  # each layer's output and its gradient, at least
+
+
+def test_the_allocator_sees_what_a_kernel_allocates_inside_itself():
+    """CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) allocates its per-thread
+    blocks inside the kernel: no dispatch mode sees them, the allocator does."""
+    import torch
+
+    q = torch.randn(2, 4, 256, 64)
+    attend = lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)  # noqa: E731
+    attend()
+    tracker = LiveStorageTracker()
+    with tracker:
+        out = attend()
+    del out
+    with AllocatorPeak() as allocator:
+        out = attend()
+    assert tracker.peak_bytes >= q.nbytes  # the output, and the log-sum-exp beside it
+    assert allocator.peak_bytes > tracker.peak_bytes, (allocator.peak_bytes, tracker.peak_bytes)
+    assert allocator.peak_op is not None
 
 
 def test_resident_peak_refuses_a_process_without_the_mmap_threshold(monkeypatch):
