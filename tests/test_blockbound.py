@@ -208,3 +208,55 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     monkeypatch.setattr(warmstart, "RECHOICES", 0)
     seed = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
     assert seed.saved is None and seed.bound == calls[0][1].bound and len(calls) == 1
+
+
+def _branch_stack_graph():
+    torch.manual_seed(0)
+    _, cg = rc.analyze(BranchStack(3, 16, [8, 12, 20, 28]), (torch.randn(128, 16, requires_grad=True),))
+    return cg
+
+
+def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_plan(monkeypatch):
+    """The menu is refined round by round until the programme's choice is made of found plans; when
+    the time runs out first (simulated: the second refinement reports it), the bound stands, and the
+    best choice of the block plans found by then is composed into a plan that fits (before, no plan
+    came back: on GPT-2 under the runtime objective at 25 s, the search then began from a greedy plan
+    recomputing 6.44 GFLOP instead of about 4)."""
+    from remat_compiler.schedule import no_recompute, peak_of
+    from remat_compiler.solvers.cpsat import blockbound
+
+    cg = _branch_stack_graph()
+    cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731
+    low = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes // 2
+    high = no_recompute(cg).peak_bytes
+    budget = low + 15 * ((high - low) // 20)  # needs several rounds of refinement
+    exact = block_bound(cg, budget, cost_of, deadline=Deadline(60), w_granule=64 * 1024)
+    assert exact.exact and exact.saved is not None
+
+    real, calls = blockbound._Menu.refine, []
+
+    def out_of_time_at_the_second(self, todo, deadline, workers=2):
+        calls.append(todo)
+        return False if len(calls) == 2 else real(self, todo, deadline, workers)
+    monkeypatch.setattr(blockbound._Menu, "refine", out_of_time_at_the_second)
+    partial = block_bound(cg, budget, cost_of, deadline=Deadline(60), w_granule=64 * 1024)
+    assert len(calls) == 2
+    assert not partial.exact and partial.saved is not None
+    assert peak_of(cg, partial.saved) <= budget
+    recomputed = sum(cost_of(n) for n in build_schedule(cg, partial.saved).recomputed)
+    assert partial.bound <= exact.bound <= recomputed  # a weaker bound, still below every plan
+    assert partial.block_candidates == exact.block_candidates
+
+
+def test_a_composition_that_fits_is_the_plan_when_its_fix_up_finds_nothing_in_time(monkeypatch):
+    import remat_compiler.solvers.cpsat.warmstart as warmstart
+    from remat_compiler.schedule import no_recompute, peak_of
+    from remat_compiler.solvers.cpsat.run import Job
+
+    cg = _stack(16, 64, 512)
+    budget = int(0.85 * no_recompute(cg).peak_bytes)
+    monkeypatch.setattr(warmstart, "_fix_up", lambda *args: None)  # as if the solve ran out of time
+    seed = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
+    assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
+    direct = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(20.0))
+    assert seed.saved == direct.saved

@@ -78,12 +78,15 @@ W_SPLIT = 16
 
 @dataclass
 class BlockBound:
-    """A lower bound on the cost of every plan of the model that fits (``inf``: none fits), and the
-    bound's choice of block plans composed into a saved set (everything outside the blocks saved;
-    to be simulated: its blocks cost ``bound``)."""
+    """A lower bound on the cost of every plan of the model that fits (``inf``: none fits), and a
+    choice of block plans composed into a saved set (everything outside the blocks saved; to be
+    simulated). With ``exact`` the choice is the bound's own (its blocks cost ``bound``); without,
+    the time ran out before the bound's choice was made of found plans, and ``saved`` is the best
+    choice of the plans found by then (its blocks cost more than ``bound``)."""
 
     bound: float
     saved: set[str] | None = None
+    exact: bool = True
     block_candidates: set[str] = field(default_factory=set)
     menu_size: int = 0
     time_s: float = 0.0
@@ -625,7 +628,8 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     The dynamic programme runs on the menu, whose bands stand in for their plans until chosen:
     the chosen ones are refined and it runs again, until its choice is made of refined options
     only (then it is the least total of the full menu). A band left unrefined when the time is up
-    still stands for its plans, so the bound stays valid, only weaker, and no saved set is given.
+    still stands for its plans, so the bound stays valid, only weaker; the saved set is then the
+    best choice of the plans found so far (``exact`` False), if any fits.
     None when the graph has fewer than ``min_blocks`` identical blocks, they differ in what the
     decomposition uses, or the first staircases are not proven by the ``deadline``. The menu does
     not depend on the budget: it is kept in ``menus`` (a :class:`~.memo.SolveMemo`'s), by graph,
@@ -667,11 +671,26 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         todo |= {b + d for b in todo if not isinstance(b, tuple) for d in (-1, 1)
                  if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
         if not menu.refine(todo, deadline):
-            return BlockBound(bound=cost, time_s=time.perf_counter() - t_start, menu_size=len(options),
-                              solves=menu.solves)
-    block_cands = {v for ns in lay.nodes for v in ns} & set(cg.candidates)
-    saved = set(cg.candidates) - block_cands
+            # the time is up: the bound stands (an unrefined band still stands for its plans), and the
+            # best choice of the plans found so far is still a plan (on GPT-2 under the runtime
+            # objective at 25 s the bound's own choice missed the deadline, and with it the plan)
+            options, _ = menu.options()
+            plans = [o for o in options if o.saved is not None]
+            found = _compose(plans, frame, budget_bytes)
+            return BlockBound(bound=cost, saved=None if found is None else _composed(cg, lay, plans, found[1]),
+                              block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
+                              time_s=time.perf_counter() - t_start, solves=menu.solves)
+    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice), block_candidates=_block_candidates(cg, lay),
+                      menu_size=len(options), time_s=time.perf_counter() - t_start, solves=menu.solves)
+
+
+def _block_candidates(cg: CostGraph, lay: _Layout) -> set[str]:
+    return {v for ns in lay.nodes for v in ns} & set(cg.candidates)
+
+
+def _composed(cg: CostGraph, lay: _Layout, options: list[_MenuPoint], choice: list[int]) -> set[str]:
+    """The saved set of ``choice`` (an option per block), everything outside the blocks saved."""
+    saved = set(cg.candidates) - _block_candidates(cg, lay)
     for m, i in enumerate(choice):
         saved |= {lay.nodes[m][p] for p in options[i].saved}
-    return BlockBound(bound=cost, saved=saved, block_candidates=block_cands, menu_size=len(options),
-                      time_s=time.perf_counter() - t_start, solves=menu.solves)
+    return saved

@@ -147,6 +147,8 @@ def decomposition(job: Job, seconds: float) -> Seed:
         if found is None or found.saved is None:
             break
         saved = _fix_up(job, found, clock)
+        if saved is None and peak_of(job.cg, found.saved) <= job.budget_bytes and job.complies(found.saved):
+            saved = set(found.saved)  # the fix-up found nothing better in time; the composition fits as it is
         if saved is not None:
             return Seed(saved, bound, decomposed=True)
         over = peak_of(job.cg, found.saved) - job.budget_bytes
