@@ -3,8 +3,11 @@
 Autograd's backward of ``nll_loss(log_softmax(x))`` runs ``nll_loss_backward`` (a dense gradient
 the size of the logits, zero except one entry a row) and then ``_log_softmax_backward_data``, which
 reads it and the saved ``log_softmax`` and writes a third logits-sized tensor: three at once, the
-peak of a language model's loss head (24 MiB on the benchmark GPT-2). The fused op computes the
-same values from ``log_softmax`` and the targets directly, with one output:
+peak of a language model's loss head (24 MiB on the benchmark GPT-2). The fused graph computes the
+same values from ``log_softmax`` and the targets directly: a few aten ops on per-row vectors
+(:func:`nll_rows`), then one op with one logits-sized output and no temporaries of its own
+(:func:`log_softmax_nll_backward`; an op that made its row vectors inside itself allocated 17 KB the
+planner could not see, on the benchmark GPT-2, where its peak was):
 
     d x[i, c] = exp(ls[i, c]) * g_i - [c == t_i] * g_i,    g_i = w[t_i] * grad / total_weight
 
@@ -19,30 +22,52 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["fuse_cross_entropy_backward", "log_softmax_nll_backward", "WHOLE_LOSS_OPS"]
+__all__ = ["fuse_cross_entropy_backward", "log_softmax_nll_backward", "nll_rows", "cross_entropy_backward",
+           "WHOLE_LOSS_OPS"]
 
 
 @torch.library.custom_op("remat::log_softmax_nll_backward", mutates_args=())
-def log_softmax_nll_backward(grad: torch.Tensor, ls: torch.Tensor, target: torch.Tensor,
-                             weight: torch.Tensor | None, reduction: int, ignore_index: int,
-                             total_weight: torch.Tensor) -> torch.Tensor:
-    """``_log_softmax_backward_data(nll_loss_backward(grad, ls, target, ...), ls, 1)`` for a 2-D ``ls``."""
-    n = ls.shape[0]
-    g = -(grad / total_weight) if reduction == 1 else -grad  # aten: mean divides by total_weight
-    g = g.expand(n) if g.dim() == 0 else g
-    valid = target != ignore_index
-    safe = torch.where(valid, target, torch.zeros_like(target))
-    row = g * weight[safe] if weight is not None else g
-    row = torch.where(valid, row, torch.zeros_like(row))  # row i's sum of nll_loss_backward's output
+def log_softmax_nll_backward(ls: torch.Tensor, index: torch.Tensor, rows: torch.Tensor,
+                             neg_rows: torch.Tensor) -> torch.Tensor:
+    """``exp(ls) * rows[:, None]``, less ``rows`` at ``(i, index[i])``: cross-entropy's gradient from the
+    per-row factors :func:`nll_rows` makes. It allocates its output and nothing else (every
+    temporary is a graph value the planner sees): the loss head's peak is this op's."""
     out = torch.exp(ls)
-    out.mul_(row.neg().unsqueeze(1))
-    out.scatter_add_(1, safe.unsqueeze(1), row.unsqueeze(1).to(out.dtype))
+    out.mul_(rows.unsqueeze(1))
+    out.scatter_add_(1, index.unsqueeze(1), neg_rows.unsqueeze(1))
     return out
 
 
 @log_softmax_nll_backward.register_fake
-def _(grad, ls, target, weight, reduction, ignore_index, total_weight):
+def _(ls, index, rows, neg_rows):
     return torch.empty_like(ls)
+
+
+def nll_rows(grad: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+             ignore_index: int, total_weight: torch.Tensor, dtype: torch.dtype):
+    """The row factors of ``nll_loss_backward``: each row's target (0 where ignored, a safe index)
+    and ``g_i`` (0 for ignored rows), and its negation, as aten ops."""
+    aten = torch.ops.aten
+    valid = aten.ne.Scalar(target, ignore_index)
+    index = aten.where.ScalarOther(valid, target, 0)
+    g = aten.div.Tensor(grad, total_weight) if reduction == 1 else grad  # aten: mean divides by the weight
+    if weight is not None:
+        g = aten.mul.Tensor(aten.index.Tensor(weight, [index]), g)
+    elif g.dim() == 0:
+        g = aten.expand.default(g, [target.shape[0]])
+    rows = aten.where.ScalarOther(valid, g, 0.0)
+    if rows.dtype != dtype:
+        rows = aten._to_copy.default(rows, dtype=dtype)
+    return index, rows, aten.neg.default(rows)
+
+
+def cross_entropy_backward(grad: torch.Tensor, ls: torch.Tensor, target: torch.Tensor,
+                           weight: torch.Tensor | None, reduction: int, ignore_index: int,
+                           total_weight: torch.Tensor) -> torch.Tensor:
+    """``_log_softmax_backward_data(nll_loss_backward(grad, ls, target, ...), ls, 1)`` for a 2-D
+    ``ls``, as the fused graph computes it."""
+    index, rows, neg_rows = nll_rows(grad, target, weight, reduction, ignore_index, total_weight, ls.dtype)
+    return log_softmax_nll_backward(ls, index, rows, neg_rows)
 
 
 # The loss head's ops as opaque operators, for a trace that decomposes everything else (the Inductor
@@ -97,8 +122,8 @@ WHOLE_LOSS_OPS = {
 
 def fuse_cross_entropy_backward(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace each ``_log_softmax_backward_data(nll_loss_backward(...), ls, 1)`` on 2-D logits whose
-    ``nll_loss_backward`` has no other reader by one :func:`log_softmax_nll_backward` node (the aten
-    ops or their :data:`WHOLE_LOSS_OPS` twins)."""
+    ``nll_loss_backward`` has no other reader (the aten ops or their :data:`WHOLE_LOSS_OPS` twins) by
+    :func:`nll_rows`' small aten ops and one :func:`log_softmax_nll_backward` node."""
     aten, remat = torch.ops.aten, torch.ops.remat
     changed = False
     for lsbd in list(gm.graph.nodes):
@@ -113,12 +138,14 @@ def fuse_cross_entropy_backward(gm: fx.GraphModule) -> fx.GraphModule:
         if not isinstance(val, torch.Tensor) or val.dim() != 2 or dim not in (1, -1):
             continue
         grad, _self, target, weight, reduction, ignore_index, total_weight = nll.args
-        with gm.graph.inserting_before(lsbd):
-            fused = gm.graph.call_function(torch.ops.remat.log_softmax_nll_backward.default,
-                                           (grad, ls, target, weight, reduction, ignore_index, total_weight))
         # the values a traced custom op was called with are its own (Inductor lays out a fallback's
-        # inputs by them): the fused op has other arguments
-        fused.meta = {k: v for k, v in lsbd.meta.items() if k != "eager_input_vals"}
+        # inputs by them): the new nodes have other arguments
+        meta = {k: v for k, v in lsbd.meta.items() if k not in ("eager_input_vals", "val", "tensor_meta")}
+        with gm.graph.inserting_before(lsbd):
+            index, rows, neg_rows = _traced_into(gm.graph, nll_rows, meta, grad, target, weight, reduction,
+                                                 ignore_index, total_weight, val.dtype)
+            fused = gm.graph.call_function(remat.log_softmax_nll_backward.default, (ls, index, rows, neg_rows))
+        fused.meta = dict(meta, val=lsbd.meta.get("val"))
         lsbd.replace_all_uses_with(fused)
         gm.graph.erase_node(lsbd)
         gm.graph.erase_node(nll)
@@ -127,3 +154,39 @@ def fuse_cross_entropy_backward(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    """Writes each aten op a function runs on the FakeTensors of graph nodes into the graph, with
+    its value, as a node (see :func:`_traced_into`)."""
+
+    def __init__(self, graph: fx.Graph, nodes: dict, meta: dict):
+        super().__init__()
+        self.graph, self.nodes, self.meta = graph, nodes, meta
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        as_node = lambda x: self.nodes.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        node_args, node_kwargs = torch.utils._pytree.tree_map(as_node, (args, kwargs))
+        node = self.graph.call_function(func, tuple(node_args), node_kwargs)
+        node.meta = dict(self.meta, val=out)
+        self.nodes[id(out)] = node
+        return out
+
+
+def _traced_into(graph: fx.Graph, fn, meta: dict, *args):
+    """Run ``fn`` on the values of the fx nodes among ``args`` and record the aten ops it runs as
+    nodes at the graph's insertion point; the nodes of its outputs."""
+    nodes, vals = {}, []
+    for a in args:
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            nodes[id(v)] = a
+            vals.append(v)
+        else:
+            vals.append(a)
+    fake = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"))
+    with fake, _Recording(graph, nodes, meta):
+        outs = fn(*vals)
+    return tuple(nodes[id(o)] for o in outs)

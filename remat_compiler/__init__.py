@@ -10,7 +10,7 @@ from remat_compiler.check import check_plan
 from remat_compiler.graph import CostGraph
 from remat_compiler.errors import (InfeasibleBudgetError, PlanCheckError, PlanMismatchError, RematError,
                                    UntraceableModelError)
-from remat_compiler.memory import LiveStorageTracker, measure_step_peak
+from remat_compiler.memory import AllocatorPeak, LiveStorageTracker, ResidentPeak, measure_step_peak
 from remat_compiler import policies
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import SOLVERS, Strategy, solve
@@ -21,6 +21,7 @@ __all__ = [
     "compile", "CompiledModule", "plan_model", "plan_joint", "PlanSpec", "PlannedGraph", "analyze", "trace",
     "CostGraph", "Plan", "check_plan", "solve", "SOLVERS", "Strategy", "SolveMemo",
     "Budget", "parse_budget", "human_bytes", "LiveStorageTracker", "measure_step_peak",
+    "AllocatorPeak", "ResidentPeak",
     "RematError", "InfeasibleBudgetError", "UntraceableModelError", "PlanMismatchError", "PlanCheckError",
     "policies",
 ]
