@@ -163,6 +163,7 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self, graph: fx.Graph, nodes: dict, meta: dict):
         super().__init__()
         self.graph, self.nodes, self.meta = graph, nodes, meta
+        self.made = []  # every value recorded, alive until the end: no id of a freed one is reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -172,6 +173,7 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
         node = self.graph.call_function(func, tuple(node_args), node_kwargs)
         node.meta = dict(self.meta, val=out)
         self.nodes[id(out)] = node
+        self.made.append(out)
         return out
 
 
