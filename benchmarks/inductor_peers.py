@@ -28,8 +28,8 @@ the temporaries kernels allocate inside themselves included), and for remat_comp
 Inductor's buffers ("tracked"). The measured peak, which sets the remat_compiler rows' budgets and
 decides the targets, is the allocator's by default (``--measure allocator``): the budget bounds tensor
 memory (``DESIGN.md``), and the resident set adds the process's other memory, Python objects and
-malloc's bookkeeping among them (0.5 to 1.8 MiB a step above the allocator's figure on these
-workloads, in session 21's runs). ``--measure rss`` decides them by the resident set instead; both
+malloc's bookkeeping among them (up to 1 MiB a step above the allocator's figure on these
+workloads in session 21's runs, 1.8 MiB in session 20's; on some rows below it). ``--measure rss`` decides them by the resident set instead; both
 columns are always in the table.
 Last, the row and eager are timed round-robin
 (:func:`~benchmarks.measure.time_round_robin`, the order reversed every other round): the step-time
