@@ -29,8 +29,8 @@ Inductor's buffers ("tracked"). The measured peak, which sets the remat_compiler
 decides the targets, is the allocator's by default (``--measure allocator``): the budget bounds tensor
 memory (``DESIGN.md``), and the resident set adds the process's other memory, Python objects and
 malloc's bookkeeping among them (up to 1 MiB a step above the allocator's figure on these
-workloads in session 21's runs, 1.8 MiB in session 20's; on some rows below it). ``--measure rss`` decides them by the resident set instead; both
-columns are always in the table.
+workloads in session 21's runs, 1.8 MiB in session 20's; on some rows below it). ``--measure rss``
+decides them by the resident set instead; both columns are always in the table.
 Last, the row and eager are timed round-robin
 (:func:`~benchmarks.measure.time_round_robin`, the order reversed every other round): the step-time
 ratio is the median over rounds of the row's step over eager's in the same round. Before the timing,
@@ -340,8 +340,8 @@ def bench_workload(name: str, opts: PeerOptions) -> dict:
 # ---------------------------------------------------------------------------- tables and targets
 
 TABLE_HEADER = ("| runner | setting | budget (MiB) | measured peak (MiB) | RSS peak (MiB) | predicted (MiB) "
-                "| predicted / measured | tracked (MiB) | step (ms) | step-time ratio | vs peer | compile (s) | runs as "
-                "| recomputed GFLOP (gap) | max abs grad error | target |")
+                "| predicted / measured | tracked (MiB) | step (ms) | step-time ratio | vs peer | compile (s) "
+                "| runs as | recomputed GFLOP (gap) | max abs grad error | target |")
 
 
 def _mib(n) -> str:
@@ -554,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                        time_limit_s=args.time_limit or (5.0 if args.quick else 25.0), num_workers=args.workers,
                        objective=args.objective, budgets=tuple(float(b) for b in args.budgets.split(",")),
                        row_timeout_s=args.row_timeout or (900.0 if args.quick else 1800.0),
-                       checkpoint=not args.no_checkpoint, measure=args.measure, **({"threads": args.threads} if args.threads else {}))
+                       checkpoint=not args.no_checkpoint, measure=args.measure,
+                       **({"threads": args.threads} if args.threads else {}))
     command = "python -m benchmarks.inductor_peers " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     docs = []
     for name in names:

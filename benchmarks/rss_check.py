@@ -49,7 +49,8 @@ def _build(case: str):
 
 
 def _child(case: str) -> dict:
-    """Runs in the fresh process: the tracker's and the resident set's peak of one eager step."""
+    """Runs in the fresh process: the tracker's, the resident set's and the allocator's peak of one
+    step each."""
     import torch
 
     from remat_compiler.memory import AllocatorPeak, LiveStorageTracker, ResidentPeak

@@ -35,8 +35,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "AllocatorPeak", "RSS_ENV", "release_free_heap",
-           "glibc_function"]
+__all__ = ["LiveStorageTracker", "measure_step_peak", "ResidentPeak", "AllocatorPeak", "RSS_ENV",
+           "release_free_heap", "glibc_function"]
 
 #: The environment a process measuring with :class:`ResidentPeak` must start with (glibc reads it at
 #: startup): allocations of 64 KiB or more are mmapped and returned to the kernel when freed.
@@ -280,8 +280,9 @@ class AllocatorPeak:
             raise RuntimeError("AllocatorPeak: this torch's profiler keeps no kineto_results to read the "
                                "allocator's events from; measure with ResidentPeak instead")
         events = results.events()
-        memory = sorted((e.start_ns(), e.nbytes()) for e in events
-                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        memory = sorted(((e.start_ns(), e.nbytes()) for e in events
+                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                        key=lambda event: event[0])  # at equal times, in the order recorded
         live = peak = 0
         peak_ns = None
         for start_ns, nbytes in memory:

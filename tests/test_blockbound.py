@@ -146,6 +146,12 @@ class BranchStack(Stack):
         self.layers = nn.ModuleList([Branches(d, widths) for _ in range(n)])
 
 
+def _branch_stack_graph():
+    torch.manual_seed(0)
+    _, cg = rc.analyze(BranchStack(3, 16, [8, 12, 20, 28]), (torch.randn(128, 16, requires_grad=True),))
+    return cg
+
+
 def test_lazy_bands_of_w_give_the_exact_staircases_bound():
     """The menu's staircases of cost over W, solved from one band edge of W to the next with
     stand-ins between (cut finer where a choice needs them), give the bound of the exact staircases
@@ -154,8 +160,7 @@ def test_lazy_bands_of_w_give_the_exact_staircases_bound():
     or costing twice its due, changes the bound at some); and some stand-ins are never solved."""
     from remat_compiler.schedule import no_recompute
 
-    torch.manual_seed(0)
-    _, cg = rc.analyze(BranchStack(3, 16, [8, 12, 20, 28]), (torch.randn(128, 16, requires_grad=True),))
+    cg = _branch_stack_graph()
     objective = "runtime"
     cost_of = lambda n: cost_units(cg, n, objective)  # noqa: E731
     low = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes // 2
@@ -210,12 +215,6 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     assert seed.saved is None and seed.bound == calls[0][1].bound and len(calls) == 1
 
 
-def _branch_stack_graph():
-    torch.manual_seed(0)
-    _, cg = rc.analyze(BranchStack(3, 16, [8, 12, 20, 28]), (torch.randn(128, 16, requires_grad=True),))
-    return cg
-
-
 def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_plan(monkeypatch):
     """The menu is refined round by round until the programme's choice is made of found plans; when
     the time runs out first (simulated: the second refinement reports it), the bound stands, and the
@@ -249,6 +248,8 @@ def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_pl
 
 
 def test_a_composition_that_fits_is_the_plan_when_its_fix_up_finds_nothing_in_time(monkeypatch):
+    """The fix-up solve outside the blocks may find nothing in its time; a composition that fits
+    the budget as it is is then the decomposition's plan, not thrown away."""
     import remat_compiler.solvers.cpsat.warmstart as warmstart
     from remat_compiler.schedule import no_recompute, peak_of
     from remat_compiler.solvers.cpsat.run import Job

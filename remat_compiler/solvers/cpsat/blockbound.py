@@ -680,8 +680,9 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
             return BlockBound(bound=cost, saved=None if found is None else _composed(cg, lay, plans, found[1]),
                               block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                               time_s=time.perf_counter() - t_start, solves=menu.solves)
-    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice), block_candidates=_block_candidates(cg, lay),
-                      menu_size=len(options), time_s=time.perf_counter() - t_start, solves=menu.solves)
+    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice),
+                      block_candidates=_block_candidates(cg, lay), menu_size=len(options),
+                      time_s=time.perf_counter() - t_start, solves=menu.solves)
 
 
 def _block_candidates(cg: CostGraph, lay: _Layout) -> set[str]:
