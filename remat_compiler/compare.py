@@ -213,8 +213,9 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
     try:
         _step(workload, compiled)  # the first step traces, plans and compiles, once
     except InfeasibleBudgetError as exc:
-        return StrategyRun(strategy, "infeasible", f"needs >= {human_bytes(exc.min_feasible_bytes)} "
-                                                   f"({exc.min_feasible_bytes} bytes)")
+        need = f"{human_bytes(exc.min_feasible_bytes)} ({exc.min_feasible_bytes} bytes)"
+        return StrategyRun(strategy, "infeasible", f"needs >= {need}" if exc.proven else
+                           f"no plan found in time; lowest peak found {need}, not proven minimal")
     except StrategyNotApplicableError as exc:
         return StrategyRun(strategy, "n/a", str(exc))
     run = _measure(StrategyRun(strategy, plan=compiled.plan), workload, compiled, steps, warm_up=False)

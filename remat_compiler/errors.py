@@ -42,6 +42,17 @@ class InfeasibleBudgetError(RematError, ValueError):
                 f"bytes ({human_bytes(min_feasible_bytes)}), not proven minimal; pass memory_budget >= "
                 f"{min_feasible_bytes}, {advice}")
 
+    @property
+    def summary(self) -> str:
+        """A table cell's account: ``infeasible: needs >= X`` where that is proven, else that no plan
+        was found in time and the lowest peak found (a smaller budget may still have a plan)."""
+        from remat_compiler.budget import human_bytes
+
+        need = human_bytes(self.min_feasible_bytes)
+        if self.proven:
+            return f"infeasible: needs >= {need}"
+        return f"no plan found in time: lowest peak found {need}, not proven minimal"
+
 
 class StrategyOverBudgetError(InfeasibleBudgetError):
     """A hand-picked strategy's fixed plan peaks above the budget."""

@@ -88,8 +88,7 @@ def sweep_budgets(cg: CostGraph, budgets: Sequence[str], *, solver: str = "cpsat
             plan = solve(cg, budget, strategy, **strategy.options_in(
                 {"time_limit_s": time_limit_s, "progress": callback, "memo": memo}))
         except InfeasibleBudgetError as exc:
-            rows.append(ParetoRow(label, "sweep", budget,
-                                  note=f"infeasible: needs >= {human_bytes(exc.min_feasible_bytes)}"))
+            rows.append(ParetoRow(label, "sweep", budget, note=exc.summary))
             continue
         check_plan(cg, plan)
         rows.append(ParetoRow(label, "sweep", budget, plan))
