@@ -215,7 +215,7 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
     except InfeasibleBudgetError as exc:
         need = f"{human_bytes(exc.min_feasible_bytes)} ({exc.min_feasible_bytes} bytes)"
         return StrategyRun(strategy, "infeasible", f"needs >= {need}" if exc.proven else
-                           f"no plan found in time; lowest peak found {need}, not proven minimal")
+                           f"no plan found: the lowest peak found is {need}, not proven minimal")
     except StrategyNotApplicableError as exc:
         return StrategyRun(strategy, "n/a", str(exc))
     run = _measure(StrategyRun(strategy, plan=compiled.plan), workload, compiled, steps, warm_up=False)

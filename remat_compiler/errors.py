@@ -45,13 +45,14 @@ class InfeasibleBudgetError(RematError, ValueError):
     @property
     def summary(self) -> str:
         """A table cell's account: ``infeasible: needs >= X`` where that is proven, else that no plan
-        was found in time and the lowest peak found (a smaller budget may still have a plan)."""
+        was found in the time limit, and the lowest peak found (not proven minimal: a smaller budget
+        may still have a plan)."""
         from remat_compiler.budget import human_bytes
 
         need = human_bytes(self.min_feasible_bytes)
         if self.proven:
             return f"infeasible: needs >= {need}"
-        return f"no plan found in time: lowest peak found {need}, not proven minimal"
+        return f"no plan found: the lowest peak found is {need}, not proven minimal"
 
 
 class StrategyOverBudgetError(InfeasibleBudgetError):

@@ -330,7 +330,8 @@ def test_pareto_table_and_picture(runs):
     rows = {line.split("  ")[0].strip(): line for line in res.stdout.splitlines()}
     for label in ("cpsat @ 1.0", "cpsat @ 0.7", "cpsat @ 0.05", "save_all", "checkpoint_blocks"):
         assert label in rows, res.stdout
-    assert "infeasible: needs >=" in rows["cpsat @ 0.05"]
+    # no plan in the time limit; the lowest peak found, not proven minimal (reruns leave no proof)
+    assert "no plan found" in rows["cpsat @ 0.05"] and "not proven minimal" in res.stdout
     assert "optimal" in rows["save_all"] and "+0.0%" in rows["save_all"]
     assert_png(runs.dir / "pareto.png")
 
