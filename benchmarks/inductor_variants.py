@@ -13,6 +13,9 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
   plan as CP-SAT made it);
 - ``unmerged index work``: the same, without :func:`passes.merge_repeated_index_work` (the pass list
   as it was before session 16: GPT-2's mask is recomputed inside every layer's softmax kernel);
+- ``unstored shared values``: the same, without :func:`remat_compiler.inductor.store_shared_values`
+  (a pointwise value several layers read is computed again inside each layer's kernel, as before
+  session 22); its gain shows where the plan saves such a value, e.g. ``--budget-bytes 71303168``;
 - ``torch.compile``: Inductor with its own partitioner at ``activation_memory_budget``;
 - with ``--above 2.5 5``: ``as built`` planned under the budget plus each of these MiB (the room the
   walk of Inductor's code leaves under the budget, given to the planner), marked where the walk of
@@ -45,7 +48,7 @@ __all__ = ["VARIANTS", "variant", "main"]
 #: torch.compile's measured step peak at activation_memory_budget 1.0 on the benchmark GPT-2
 #: (RESULTS.md, "gpt2: the budget-1.0 point again", session 13): the budget remat_compiler gets there
 GPT2_PEER_PEAK_BYTES = 152_166_400
-VARIANTS = ("as built", "joint passes", "no fused recompute", "unmerged index work")
+VARIANTS = ("as built", "joint passes", "no fused recompute", "unmerged index work", "unstored shared values")
 
 
 @contextlib.contextmanager
@@ -55,8 +58,9 @@ def variant(name: str):
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
     import passes
+    import remat_compiler.inductor as inductor
 
-    annotate, fusing, pass_list = api.annotate_joint, api._fusing, passes.PASSES
+    annotate, fusing, pass_list, store = api.annotate_joint, api._fusing, passes.PASSES, inductor.store_shared_values
 
     def with_joint_passes(joint, step):
         with config.patch(fallback_random=True):
@@ -70,12 +74,15 @@ def variant(name: str):
         api._fusing = lambda spec: spec
     elif name == "unmerged index work":
         passes.PASSES = tuple(p for p in pass_list if p.run is not passes.merge_repeated_index_work)
+    elif name == "unstored shared values":
+        inductor.store_shared_values = lambda gm: []
     elif name != "as built":
         raise ValueError(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
     try:
         yield
     finally:
         api.annotate_joint, api._fusing, passes.PASSES = annotate, fusing, pass_list
+        inductor.store_shared_values = store
 
 
 def main(argv=None) -> None:

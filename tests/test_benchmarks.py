@@ -154,19 +154,27 @@ def test_real_sizes_section_and_targets():
 
 def test_each_inductor_variant_changes_its_one_step_and_restores_it():
     """benchmarks.inductor_variants: inside a variant the pipeline lacks exactly its step (the index
-    merge is out of the pass list for "unmerged index work"); after it, everything is back."""
+    merge is out of the pass list for "unmerged index work", nothing is stored for "unstored shared
+    values"); after it, everything is back."""
     import passes
     import remat_compiler.api as api
+    import remat_compiler.inductor as inductor
     from benchmarks.inductor_variants import VARIANTS, variant
 
-    pass_list, fusing, annotate = passes.PASSES, api._fusing, api.annotate_joint
+    def steps():
+        return passes.PASSES, api._fusing, api.annotate_joint, inductor.store_shared_values
+
+    pass_list, fusing, annotate, store = before = steps()
     with variant("unmerged index work"):
         assert [p.name for p in passes.PASSES] == [p.name for p in pass_list if p.name != "merge_repeated_index_work"]
-        assert api._fusing is fusing and api.annotate_joint is annotate
+        assert steps()[1:] == before[1:]
+    with variant("unstored shared values"):
+        assert inductor.store_shared_values is not store and inductor.store_shared_values(None) == []
+        assert steps()[:3] == before[:3]
     for name in VARIANTS:
         with variant(name):
             pass
-        assert (passes.PASSES, api._fusing, api.annotate_joint) == (pass_list, fusing, annotate), name
+        assert steps() == before, name
 
 
 def test_round_robin_reverses_its_order_every_other_round():
