@@ -112,7 +112,8 @@ def test_a_point_without_a_plan_in_time_is_not_called_infeasible(config_file, mo
 
     real = sweep.solve
     for proven, expected, absent in ((False, "no plan found: the lowest peak found is 577.76 KiB, "
-                                      "not proven minimal", "infeasible"), (True, "infeasible: needs >= 577.76 KiB", "no plan found")):
+                                      "not proven minimal", "infeasible"),
+                                     (True, "infeasible: needs >= 577.76 KiB", "no plan found")):
         def solve(cg, budget, strategy, proven=proven, **options):
             if budget is None:  # a hand-picked strategy's point
                 return real(cg, budget, strategy, **options)
