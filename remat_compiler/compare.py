@@ -213,9 +213,7 @@ def run_strategy(workload: Workload, strategy: str, budget, *, steps: int = 5,
     try:
         _step(workload, compiled)  # the first step traces, plans and compiles, once
     except InfeasibleBudgetError as exc:
-        need = f"{human_bytes(exc.min_feasible_bytes)} ({exc.min_feasible_bytes} bytes)"
-        return StrategyRun(strategy, "infeasible", f"needs >= {need}" if exc.proven else
-                           f"no plan found: the lowest peak found is {need}, not proven minimal")
+        return StrategyRun(strategy, "infeasible", exc.account(exact=True))
     except StrategyNotApplicableError as exc:
         return StrategyRun(strategy, "n/a", str(exc))
     run = _measure(StrategyRun(strategy, plan=compiled.plan), workload, compiled, steps, warm_up=False)

@@ -42,17 +42,23 @@ class InfeasibleBudgetError(RematError, ValueError):
                 f"bytes ({human_bytes(min_feasible_bytes)}), not proven minimal; pass memory_budget >= "
                 f"{min_feasible_bytes}, {advice}")
 
-    @property
-    def summary(self) -> str:
-        """A table cell's account: ``infeasible: needs >= X`` where that is proven, else that no plan
-        was found in the time limit, and the lowest peak found (not proven minimal: a smaller budget
-        may still have a plan)."""
+    def account(self, *, exact: bool = False) -> str:
+        """``needs >= X`` where that is proven, else that no plan was found in the time limit, and the
+        lowest peak found (not proven minimal: a smaller budget may still have a plan); ``exact`` adds
+        the byte count to X."""
         from remat_compiler.budget import human_bytes
 
         need = human_bytes(self.min_feasible_bytes)
+        if exact:
+            need += f" ({self.min_feasible_bytes} bytes)"
         if self.proven:
-            return f"infeasible: needs >= {need}"
+            return f"needs >= {need}"
         return f"no plan found: the lowest peak found is {need}, not proven minimal"
+
+    @property
+    def summary(self) -> str:
+        """A table cell's account: ``infeasible: needs >= X`` where that is proven, else :meth:`account`'s."""
+        return f"infeasible: {self.account()}" if self.proven else self.account()
 
 
 class StrategyOverBudgetError(InfeasibleBudgetError):
