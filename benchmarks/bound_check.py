@@ -27,7 +27,7 @@ import torch
 
 def main(argv=None) -> int:
     import remat_compiler as rc
-    from examples.gpt2 import build
+    from remat_compiler.examples.gpt2 import build
     from remat_compiler.clock import Deadline
     from remat_compiler.graph import block_boundary_set
     from remat_compiler.schedule import build_schedule, simulate

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import remat_compiler as rc
-from examples.gpt2 import build
+from remat_compiler.examples.gpt2 import build
 from remat_compiler.memory import LiveStorageTracker
 
 

@@ -49,7 +49,7 @@ LLAMA_QUICK = dict(layers=2, hidden=32, ffn=64, heads=2, kv_heads=2, vocab=64, b
 
 
 def build_gpt2(device: str, quick: bool):
-    from examples.gpt2 import make_gpt2
+    from remat_compiler.examples.gpt2 import make_gpt2
 
     c = GPT2_QUICK if quick else GPT2
     with torch.device(device):
@@ -85,7 +85,7 @@ WORKLOADS = {"gpt2": build_gpt2, "llama": build_llama}
 
 def preset_name() -> str:
     """The cost preset of this machine's GPU (``"h100"`` when the name matches none)."""
-    from passes.costs import DEVICE_PRESETS
+    from remat_compiler.passes.costs import DEVICE_PRESETS
 
     name = torch.cuda.get_device_name().lower().replace("-", "").replace(" ", "") if torch.cuda.is_available() else ""
     return next((k for k in DEVICE_PRESETS if k in name), "h100")
@@ -147,7 +147,7 @@ def row(workload, strategy, setting, budget=None, measured=None, predicted=None,
 def dry_run(args, emit) -> None:
     """Plan every workload for CUDA from the meta device and print the table's predicted column."""
     import remat_compiler as rc
-    from passes import CostModel
+    from remat_compiler.passes import CostModel
     from remat_compiler.trace import DeviceTraceWarning
 
     cost_model = CostModel.preset(args.device)
@@ -181,7 +181,7 @@ def _solver_options(args) -> dict:
 def gpu_run(args, emit) -> None:
     """Measure every workload on the GPU."""
     import remat_compiler as rc
-    from passes import CostModel
+    from remat_compiler.passes import CostModel
     from remat_compiler.plan import Plan
 
     cost_model = CostModel.preset(args.device)

@@ -37,12 +37,12 @@ CASE_BUDGETS = {"mlp": 180_000}
 def _build(case: str, group=None):
     """(model, make_inputs() -> (args, seed of backward or None), tolerance)."""
     if case == "mlp":
-        from examples.models import build_mlp
+        from remat_compiler.examples.models import build_mlp
 
         model, (x,), loss_fn = build_mlp(width=64, depth=4, batch=64)
         return model, lambda: ((x,), None), loss_fn, dict(rtol=1e-5, atol=1e-6)
     if case == "gpt2":
-        from examples.zoo import _gpt2
+        from remat_compiler.examples.zoo import _gpt2
 
         torch.manual_seed(0)
         model, _ = _gpt2()

@@ -57,7 +57,7 @@ def variant(name: str):
     from torch._inductor import config
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
-    import passes
+    from remat_compiler import passes
     import remat_compiler.inductor as inductor
 
     annotate, fusing, pass_list, store = api.annotate_joint, api._fusing, passes.PASSES, inductor.store_shared_values

@@ -81,8 +81,8 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
     import torch
 
     import remat_compiler
-    from passes import keys
-    from passes.costs import CostModel
+    from remat_compiler.passes import keys
+    from remat_compiler.passes.costs import CostModel
     from remat_compiler.clock import MIN_SLICE_S, Deadline
     from remat_compiler.hf_config import build_causal_lm, check_seq, token_inputs
 

@@ -16,7 +16,7 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from passes.files import atomic_write_text
+from remat_compiler.passes.files import atomic_write_text
 from remat_compiler.tables import note_cell
 from remat_compiler.viz import save_figure
 

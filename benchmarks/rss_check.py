@@ -36,13 +36,13 @@ def _build(case: str):
 
     torch.manual_seed(0)
     if case.startswith("mlp"):
-        from examples.models import MLPChain
+        from remat_compiler.examples.models import MLPChain
 
         width, depth, batch = (512, 8, 256) if case == "mlp" else (1024, 6, 512)
         model = MLPChain(width, depth)
         x = torch.randn(batch, width)
         return model, (x,), {}, lambda out: out.float().square().mean() if out.dim() else out
-    from examples.gpt2 import build
+    from remat_compiler.examples.gpt2 import build
 
     model, inputs, _ = build(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, batch=2, seq=128)
     return model, (), inputs, lambda out: out.loss

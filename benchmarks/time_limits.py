@@ -21,7 +21,7 @@ import torch
 
 def main(argv=None) -> int:
     import remat_compiler as rc
-    from examples.zoo import FAMILIES, build
+    from remat_compiler.examples.zoo import FAMILIES, build
     from remat_compiler.solvers import solve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

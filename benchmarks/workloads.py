@@ -113,7 +113,7 @@ GPT2_QUICK = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, batch=2, seq=6
 
 def build_gpt2(quick: bool, group=None, **override):
     """The gpt2 workload's model and call; ``override`` changes config entries (``n_layer=12``)."""
-    from examples.gpt2 import build
+    from remat_compiler.examples.gpt2 import build
 
     cfg = {**(GPT2_QUICK if quick else GPT2), **override}
     model, inputs, _loss_fn = build(**cfg, dropout=0.0, seed=0)
@@ -169,7 +169,7 @@ MLP_QUICK = dict(width=128, depth=4, batch=64)
 
 
 def _mlp(quick: bool, group=None):
-    from examples.models import MLPChain
+    from remat_compiler.examples.models import MLPChain
 
     c = MLP_QUICK if quick else MLP
     torch.manual_seed(0)

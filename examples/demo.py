@@ -6,13 +6,7 @@ plan and prints the plan with the measured peak.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make ``examples`` importable like ``python -m``
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import build_mlp  # noqa: E402
+from remat_compiler.examples.models import build_mlp
 
 __all__ = ["build"]
 

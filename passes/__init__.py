@@ -2,10 +2,10 @@
 
 :data:`PASSES` is the whole list, in order. The first four rewrite the graph: dead code goes, repeated
 index work is merged (:func:`merge_repeated_index_work`), then
-:func:`passes.rng.replayable_dropout` makes dropout replay its RNG state where it is recomputed, and
-:func:`passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward into one op (it
+:func:`remat_compiler.passes.rng.replayable_dropout` makes dropout replay its RNG state where it is recomputed, and
+:func:`remat_compiler.passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward into one op (it
 holds two logits-sized tensors instead of three). The rest only annotate. Every key the passes write
-or read, with its meaning and its writer, is in :mod:`passes.keys`.
+or read, with its meaning and its writer, is in :mod:`remat_compiler.passes.keys`.
 
 Each pass changes the GraphModule it is given, in place, and returns it.
 
@@ -24,15 +24,15 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.blocks import annotate_blocks
-from passes.costs import CostModel, annotate_costs
-from passes.files import atomic_write_text
-from passes.keys import PREFIX, TRACE_MODULE
-from passes.loss import fuse_cross_entropy_backward
-from passes.moe import tag_moe_segments
-from passes.phases import annotate_phases, forward_nodes
-from passes.rng import replayable_dropout
-from passes.storage import annotate_storage, calibrate_scalar_storage
+from remat_compiler.passes.blocks import annotate_blocks
+from remat_compiler.passes.costs import CostModel, annotate_costs
+from remat_compiler.passes.files import atomic_write_text
+from remat_compiler.passes.keys import PREFIX, TRACE_MODULE
+from remat_compiler.passes.loss import fuse_cross_entropy_backward
+from remat_compiler.passes.moe import tag_moe_segments
+from remat_compiler.passes.phases import annotate_phases, forward_nodes
+from remat_compiler.passes.rng import replayable_dropout
+from remat_compiler.passes.storage import annotate_storage, calibrate_scalar_storage
 
 __all__ = ["run_passes", "PASSES", "Pass", "CostModel", "eliminate_dead_code", "merge_repeated_index_work",
            "annotate_phases",
@@ -118,7 +118,7 @@ def merge_repeated_index_work(gm: fx.GraphModule, *, num_fwd_outputs: int) -> fx
 def _realias_views(gm: fx.GraphModule, gone: set[StorageWeakRef]) -> None:
     """Give the views of merged-away values the storage of the value that replaced them.
 
-    :mod:`passes.storage` reads aliasing from the FakeTensors' storages: a view of a merged-away
+    :mod:`remat_compiler.passes.storage` reads aliasing from the FakeTensors' storages: a view of a merged-away
     value would still name that value's storage, and be charged as a storage of its own. Each such
     view's value is made again from its (already updated) inputs, in the graph's order, so that it
     shares its new base's storage."""
@@ -173,7 +173,7 @@ def run_passes(gm: fx.GraphModule, *, num_fwd_outputs: int, cost_model: CostMode
 
     ``gm`` itself is changed: dead nodes are erased, dropout and cross-entropy's backward are
     rewritten (then ``gm`` is recompiled), and every node's ``meta`` and ``gm.meta`` get the
-    :mod:`passes.keys` annotations. Pass a copy to keep the traced graph as it was.
+    :mod:`remat_compiler.passes.keys` annotations. Pass a copy to keep the traced graph as it was.
 
     Parameters
     ----------

@@ -4,7 +4,7 @@ A plan's budget and peak are in the units of the device's own counter: on the CP
 bytes a :class:`remat_compiler.LiveStorageTracker` sees; on CUDA, ``torch.cuda.memory_allocated()``
 (its peak over the step: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``).
 The two differ because CUDA's caching allocator charges whole blocks, so the passes count every new
-storage as :meth:`AllocatorModel.charged_bytes` says (:func:`passes.storage.annotate_storage`), and
+storage as :meth:`AllocatorModel.charged_bytes` says (:func:`remat_compiler.passes.storage.annotate_storage`), and
 the simulator, CP-SAT's sizes, the plan's peak and the emitted-code walk all read those bytes.
 
 What PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, native backend,

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from passes.keys import BLOCK, BLOCK_CONTAINER, MODULE, PHASE, TRACE_MODULE, TRACE_MODULE_CLASS
+from remat_compiler.passes.keys import BLOCK, BLOCK_CONTAINER, MODULE, PHASE, TRACE_MODULE, TRACE_MODULE_CLASS
 
 __all__ = ["annotate_blocks", "module_path"]
 

@@ -8,7 +8,7 @@ Writes on every call_function node:
 - ``remat.runtime_s``: a roofline estimate, ``max(flops / compute rate, bytes read and written /
   memory bandwidth) + comm_bytes / link bandwidth``; views and aliases cost 0;
 - ``remat.never_recompute`` and ``remat.reason``: random ops (their RNG state is not replayed; dropout's
-  is, see :mod:`passes.rng`, and the state it reads is never recomputed), ops that
+  is, see :mod:`remat_compiler.passes.rng`, and the state it reads is never recomputed), ops that
   mutate their inputs and other side effects must not be recomputed blindly; nor may an op that
   reads an input the step mutates in place (placeholder ``meta["remat.mutated_input"]``, written by
   the trace): in backward that input no longer holds the forward's value. Training-mode BatchNorm
@@ -31,10 +31,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from passes.c10d import is_c10d, is_collective
-from passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
+from remat_compiler.passes.c10d import is_c10d, is_collective
+from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
                          RUNTIME_S, STORAGE)
-from passes.rng import is_rng_state
+from remat_compiler.passes.rng import is_rng_state
 
 __all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread"]
 
@@ -58,7 +58,7 @@ class CostModel:
         whose tensors are on a device plans for that device, whatever this says. ``"cpu"``
         by default, ``"cuda"`` for the accelerator presets (ROCm's MI300X included).
     allocator : str or None
-        The allocator model bytes are counted in (:mod:`passes.allocator`): None (default) for the
+        The allocator model bytes are counted in (:mod:`remat_compiler.passes.allocator`): None (default) for the
         step's device's own (CUDA's caching allocator rounds every block up to 512 B), or a name
         that overrides it (``"cuda_caching"`` on the CPU: a stand-in that plans, and with
         ``LiveStorageTracker(allocator=...)`` measures, in CUDA's units).

@@ -71,8 +71,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from passes.c10d import is_c10d
-from passes.keys import MOE, PHASE, STORAGE, TRACE_MODULE, TRACE_MODULE_CLASS
+from remat_compiler.passes.c10d import is_c10d
+from remat_compiler.passes.keys import MOE, PHASE, STORAGE, TRACE_MODULE, TRACE_MODULE_CLASS
 
 __all__ = ["tag_moe_segments", "ROLES", "MOE_BLOCKS"]
 
@@ -210,8 +210,8 @@ def tag_moe_segments(gm: fx.GraphModule) -> fx.GraphModule:
     Parameters
     ----------
     gm : fx.GraphModule
-        A joint graph annotated by :func:`passes.phases.annotate_phases` and
-        :func:`passes.storage.annotate_storage` (``remat.phase``, ``remat.storage``), whose nodes carry the module paths recorded by :func:`remat_compiler.trace.trace`.
+        A joint graph annotated by :func:`remat_compiler.passes.phases.annotate_phases` and
+        :func:`remat_compiler.passes.storage.annotate_storage` (``remat.phase``, ``remat.storage``), whose nodes carry the module paths recorded by :func:`remat_compiler.trace.trace`.
 
     Returns
     -------

@@ -21,7 +21,7 @@ import operator
 
 import torch.fx as fx
 
-from passes.keys import INPUT_UPDATES, MUTATED_INPUT, NUM_FWD_OUTPUTS, PHASE
+from remat_compiler.passes.keys import INPUT_UPDATES, MUTATED_INPUT, NUM_FWD_OUTPUTS, PHASE
 
 __all__ = ["annotate_phases", "forward_nodes"]
 

@@ -8,7 +8,7 @@ live until its last ``getitem`` is read; an output its op's ``output_mask`` argu
 allocated at all, see :func:`masked_outputs`). Aliasing is read from the FakeTensors' storage identity, so every view op,
 ``detach`` and ``_unsafe_view`` is handled without a list of op names.
 
-Bytes are counted in the step's allocator's units (:mod:`passes.allocator`), which the pass records
+Bytes are counted in the step's allocator's units (:mod:`remat_compiler.passes.allocator`), which the pass records
 in ``gm.meta["remat.allocator"]``: the cost model's ``allocator`` if it names one, else the one of
 the device the step runs on (``gm.meta["remat.device"]``, written by the trace; without it, the
 device of the graph's tensor inputs): on CUDA every storage is charged its caching allocator block,
@@ -29,9 +29,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.allocator import AllocatorModel, allocator_for, allocator_named
-from passes.c10d import is_wait
-from passes.keys import ALLOCATOR, BYTES, DEVICE, REAL_BYTES, STORAGE, TUPLE
+from remat_compiler.passes.allocator import AllocatorModel, allocator_for, allocator_named
+from remat_compiler.passes.c10d import is_wait
+from remat_compiler.passes.keys import ALLOCATOR, BYTES, DEVICE, REAL_BYTES, STORAGE, TUPLE
 
 __all__ = ["annotate_storage", "calibrate_scalar_storage", "masked_outputs", "storage_bytes", "strided_span_bytes",
            "step_device", "step_allocator"]

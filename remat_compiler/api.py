@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from passes import CostModel, run_passes
+from remat_compiler.passes import CostModel, run_passes
 from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.clock import MIN_SLICE_S, Deadline
 from remat_compiler.check import check_emitted, check_plan
@@ -531,7 +531,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     device : str or torch.device, optional
         The device a model on the meta device is planned for (default: ``cost_model.device``, the
         CPU without a cost model; ``CostModel.preset("h100")`` plans for ``"cuda"``). On CUDA the
-        bytes are those ``torch.cuda.max_memory_allocated()`` counts (:mod:`passes.allocator`).
+        bytes are those ``torch.cuda.max_memory_allocated()`` counts (:mod:`remat_compiler.passes.allocator`).
         On a build of PyTorch without CUDA the step is traced on the CPU and planned for CUDA:
         ``plan.save(path)`` here, then ``compile(model.cuda(), plan=Plan.load(path))`` on the GPU
         accepts it wherever the graph does not depend on the device

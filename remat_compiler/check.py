@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from remat_compiler.graph import CostGraph
-from passes.allocator import allocator_named
+from remat_compiler.passes.allocator import allocator_named
 from remat_compiler.emitted import EmittedPeak, emitted_peak
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
@@ -65,7 +65,7 @@ def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGr
     storages (:func:`remat_compiler.emitted.emitted_peak`); neither the schedule nor the simulator
     is consulted. From ``cg`` only graph-level facts are read: how many forward outputs are the
     user's, which are updated inputs, whether the caller holds its outputs, and the allocator that
-    charges each storage (:mod:`passes.allocator`).
+    charges each storage (:mod:`remat_compiler.passes.allocator`).
 
     Parameters
     ----------

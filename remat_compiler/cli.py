@@ -34,7 +34,8 @@ from typing import Callable
 
 import click
 
-from passes.costs import DEVICE_PRESETS, CostModel
+from remat_compiler import examples as remat_examples
+from remat_compiler.passes.costs import DEVICE_PRESETS, CostModel
 
 from remat_compiler.api import PlannedGraph, analyze, plan_model
 from remat_compiler.budget import human_bytes, parse_budget
@@ -46,7 +47,7 @@ from remat_compiler.errors import InfeasibleBudgetError, PlanCheckError, PlanMis
 from remat_compiler.fit import Probe, describe_probe, fit_size, format_fit
 from remat_compiler.hf_config import (DTYPES, ConfigError, build_causal_lm, causal_lm_workload, check_seq,
                                       config_dtype, load_config)
-from passes.files import atomic_write_text
+from remat_compiler.passes.files import atomic_write_text
 from remat_compiler.plan import Plan
 from remat_compiler.solvers import get_solver, solve
 from remat_compiler.sweep import format_pareto_table, strategy_points, sweep_budgets
@@ -56,7 +57,7 @@ from remat_compiler.workload import FactoryError, Workload, load_workload
 __all__ = ["main", "cli", "format_progress", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INFEASIBLE"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES_DIR = Path(remat_examples.__file__).resolve().parent  # installed as remat_compiler.examples
 DEMO_FACTORY = EXAMPLES_DIR / "demo.py"
 
 
@@ -191,7 +192,7 @@ def _solve(console: Console, workload: Workload, budget: str | None, solver: str
            objective: str | None = None, plan_cache: str | None = None,
            device: str | None = None, label: str | None = None) -> PlannedGraph:
     """The pipeline on the workload's step, with progress (labelled ``label``, default the solver's
-    name) and step timings (``device``: a :data:`passes.costs.DEVICE_PRESETS` name for the runtime
+    name) and step timings (``device``: a :data:`remat_compiler.passes.costs.DEVICE_PRESETS` name for the runtime
     estimate)."""
     with console.progress(label or solver) as progress:
         opts = get_solver(solver).options_in({"time_limit_s": time_limit_s, "progress": progress,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.c10d import is_c10d, is_wait
-from passes.costs import is_training_batch_norm
-from passes.keys import NUM_FWD_OUTPUTS, PHASE, RECOMPUTE_UNREAD
-from passes.rng import is_dropout_at, replaying
+from remat_compiler.passes.c10d import is_c10d, is_wait
+from remat_compiler.passes.costs import is_training_batch_norm
+from remat_compiler.passes.keys import NUM_FWD_OUTPUTS, PHASE, RECOMPUTE_UNREAD
+from remat_compiler.passes.rng import is_dropout_at, replaying
 from remat_compiler.collectives import release_after_waits
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan

@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from passes.c10d import is_wait
+from remat_compiler.passes.c10d import is_wait
 
 __all__ = ["release_after_waits", "release_collective_inputs", "use_counts", "as_library_ops", "RELEASE_TIMEOUT_S"]
 

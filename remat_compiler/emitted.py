@@ -25,7 +25,7 @@ of their strides: AOTAutograd makes them with ``empty_strided``); the caller's o
 ones unless ``hold_outputs``), the gradients backward returns and the gradient seeds (a scalar
 output's tangent, else every tangent) stay live to the end. Storage bytes are the FakeTensor
 storage's, except for a scalar CPU result whose real kernel's storage
-:func:`passes.storage.calibrate_scalar_storage` measured (``meta["remat.real_bytes"]``), each charged
+:func:`remat_compiler.passes.storage.calibrate_scalar_storage` measured (``meta["remat.real_bytes"]``), each charged
 as the step's allocator charges it (``allocator``: on CUDA, whole 512-byte blocks).
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.allocator import EXACT, AllocatorModel
-from passes.c10d import is_wait
-from passes.keys import REAL_BYTES
-from passes.storage import storage_bytes, strided_span_bytes, masked_outputs
+from remat_compiler.passes.allocator import EXACT, AllocatorModel
+from remat_compiler.passes.c10d import is_wait
+from remat_compiler.passes.keys import REAL_BYTES
+from remat_compiler.passes.storage import storage_bytes, strided_span_bytes, masked_outputs
 from remat_compiler.errors import PlanCheckError
 
 __all__ = ["EmittedPeak", "emitted_peak"]

@@ -36,9 +36,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.allocator import allocator_named
-from passes.keys import BLOCK
-from passes.storage import strided_span_bytes
+from remat_compiler.passes.allocator import allocator_named
+from remat_compiler.passes.keys import BLOCK
+from remat_compiler.passes.storage import strided_span_bytes
 from remat_compiler.emitted import EmittedPeak, held_positions
 from remat_compiler.memory import LiveStorageTracker
 
@@ -49,7 +49,7 @@ __all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", 
 def _decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
-    from passes.loss import WHOLE_LOSS_OPS
+    from remat_compiler.passes.loss import WHOLE_LOSS_OPS
 
     # native_dropout stays whole: passes.rng rewrites it as a replayable remat::dropout_at, which
     # Inductor runs as a fallback kernel drawing eager's numbers. The loss head's ops become opaque
@@ -59,8 +59,8 @@ def _decompositions() -> dict:
     return table
 
 
-#: Inductor's decomposition table, less ``aten.native_dropout`` (see :mod:`passes.rng`), with the loss
-#: head's ops mapped to opaque twins (:data:`passes.loss.WHOLE_LOSS_OPS`).
+#: Inductor's decomposition table, less ``aten.native_dropout`` (see :mod:`remat_compiler.passes.rng`), with the loss
+#: head's ops mapped to opaque twins (:data:`remat_compiler.passes.loss.WHOLE_LOSS_OPS`).
 DECOMPOSITIONS = _decompositions()
 
 
@@ -124,7 +124,7 @@ def store_shared_values(gm: fx.GraphModule) -> list[str]:
     what the plan counted; the walk of the code checks that.
 
     Each such value (an aten op tagged pointwise, not an output, read through views by nodes of two
-    or more blocks: ``meta["remat.block"]``, :func:`passes.annotate_blocks`) gets a
+    or more blocks: ``meta["remat.block"]``, :func:`remat_compiler.passes.annotate_blocks`) gets a
     ``remat::stored`` node its readers read instead. Returns the names of the values.
     """
     out = next(iter(gm.graph.find_nodes(op="output")))
@@ -446,7 +446,7 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
     num_fwd_outputs, input_updates, hold_outputs :
         As for :func:`remat_compiler.emitted.emitted_peak`: the step's accounting is the same.
     allocator : str
-        The :mod:`passes.allocator` model each buffer is charged by (the cost graph's).
+        The :mod:`remat_compiler.passes.allocator` model each buffer is charged by (the cost graph's).
 
     Returns
     -------
@@ -579,7 +579,7 @@ class FirstStepCheck:
         the measured peak and the bytes of the ``unheld`` outputs still alive then: those the caller
         held through the backward (0 where none).
     allocator : str
-        The :mod:`passes.allocator` model each storage is charged by, the walk's (the cost graph's).
+        The :mod:`remat_compiler.passes.allocator` model each storage is charged by, the walk's (the cost graph's).
     unheld : sequence of int
         Positions of the caller's outputs that the walk counts as freed once the forward returns
         (``hold_outputs=False``: all but the scalar ones). A caller that keeps one through the

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from remat_compiler.budget import human_bytes
 from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanMismatchError
-from passes.files import atomic_write_text
+from remat_compiler.passes.files import atomic_write_text
 from remat_compiler.schedule import Schedule, build_schedule, save_all_set, simulate
 
 __all__ = ["Plan", "ValueInfo", "make_plan", "moe_combine_of", "SCHEMA_VERSION"]
@@ -268,7 +268,7 @@ def moe_combine_of(cg: CostGraph) -> dict[str, dict]:
     -------
     dict
         ``{segment: {"mode": "fused" | "autograd", "y_bytes": int}}`` for every segment
-        :mod:`passes.moe` tagged (an :class:`~remat_compiler.moe.MoELayer` or a transformers MoE
+        :mod:`remat_compiler.passes.moe` tagged (an :class:`~remat_compiler.moe.MoELayer` or a transformers MoE
         block; empty for other graphs): ``"fused"`` when the segment's GEMM2 -> A2A -> Unpermute
         ran as one :class:`~remat_compiler.moe.FusedCombine` (an HF block's down projection and
         combine as one :class:`~remat_compiler.moe.hf.GroupedFusedCombine`), and ``y_bytes`` the

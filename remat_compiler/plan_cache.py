@@ -20,7 +20,7 @@ A file is never trusted: it must parse, carry this cache's schema version and it
 plan whose digest matches its content (:meth:`Plan.from_json`), made for this graph (fingerprint)
 and this budget, which :func:`remat_compiler.check.check_plan` accepts. Anything else is reported
 with a :class:`PlanCacheWarning` and re-planned; the new plan replaces the file. Files are written
-atomically (:mod:`passes.files`: a temporary file in ``DIR``, then a rename), so concurrent
+atomically (:mod:`remat_compiler.passes.files`: a temporary file in ``DIR``, then a rename), so concurrent
 writers of one key each leave a whole, valid file, and a reader sees one of them.
 
 >>> m = remat_compiler.compile(model, "1GiB", plan_cache="~/.cache/remat")   # doctest: +SKIP
@@ -35,7 +35,7 @@ import warnings
 from typing import Mapping
 
 from remat_compiler.errors import PlanCheckError, PlanMismatchError
-from passes.files import atomic_write_text
+from remat_compiler.passes.files import atomic_write_text
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION, Plan
 

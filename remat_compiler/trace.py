@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_function
 from torch.func import functional_call
 
-from passes import keys
+from remat_compiler.passes import keys
 from remat_compiler.errors import UntraceableModelError
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
@@ -147,12 +147,12 @@ def annotate_joint(joint: fx.GraphModule, step: StepFunction) -> fx.GraphModule:
     by :meth:`~remat_compiler.graph.CostGraph.from_graph_module`). ``meta["remat.mutated_input"]``
     (the input's name) on the placeholders of the inputs the step mutates in place (a buffer's
     ``add_``, training-mode BatchNorm's running statistics): their value in backward is not the
-    forward's, so nothing that reads them may be recomputed there (:mod:`passes.costs`).
+    forward's, so nothing that reads them may be recomputed there (:mod:`remat_compiler.passes.costs`).
     ``gm.meta["remat.device"]``: the device type the step runs on (the traced tensors', or
     ``step.plans_for`` when the trace ran on the CPU in place of CUDA, then also
     ``gm.meta["remat.traced_on"] = "cpu"``).
     """
-    from passes.storage import step_device
+    from remat_compiler.passes.storage import step_device
 
     joint.meta[HOLD_OUTPUTS_KEY] = step.hold_outputs
     traced_on = step_device(joint)
@@ -274,8 +274,8 @@ def tensors_for_planning(tensors: list, device=None) -> list:
     (``torch.tensor(..., device="meta")`` bypasses fake mode, so HuggingFace's ``DynamicCache``
     concatenates a real meta tensor with a fake one and the trace fails). So each meta tensor
     becomes a FakeTensor on ``device`` (default :data:`META_PLANS_FOR`, the CPU) that wraps it: views of one meta storage stay views of one fake storage, so the storage structure
-    (:mod:`passes.storage`) is the one real CPU tensors give, and the graph, its fingerprint, its
-    costs (:func:`passes.calibrate_scalar_storage` runs the CPU kernels on zeros, as for a CPU
+    (:mod:`remat_compiler.passes.storage`) is the one real CPU tensors give, and the graph, its fingerprint, its
+    costs (:func:`remat_compiler.passes.calibrate_scalar_storage` runs the CPU kernels on zeros, as for a CPU
     model) and the plan are those of the same model with real CPU weights. Real tensors become
     fakes of the same mode (one trace cannot mix modes), and FakeTensors the caller made are kept
     with their own mode and device (a fake CUDA model plans for CUDA). For another ``device`` than

@@ -16,7 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from remat_compiler.budget import human_bytes
-from passes.files import atomic_write
+from remat_compiler.passes.files import atomic_write
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 from remat_compiler.schedule import build_schedule, simulate
@@ -41,7 +41,7 @@ DOT_COLORS = {
 def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 120) -> str:
     """Write ``fig`` to ``path`` as a PNG of ``dpi`` dots per inch, atomically; return the absolute path.
 
-    Raises ``OSError`` as :func:`passes.files.atomic_write` does (folder not writable; no
+    Raises ``OSError`` as :func:`remat_compiler.passes.files.atomic_write` does (folder not writable; no
     partial file is left behind).
     """
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))

@@ -33,7 +33,7 @@ import remat_compiler
 import remat_compiler.api
 import remat_compiler.codegen
 import remat_compiler.collectives
-from passes import CostModel
+from remat_compiler.passes import CostModel
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
 

@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import remat_compiler as rc  # noqa: E402
-from examples.models import MLPChain  # noqa: E402
+from remat_compiler.examples.models import MLPChain  # noqa: E402
 
 
 def model_and_input():

@@ -124,7 +124,7 @@ def test_a_recomputed_batch_norm_keeps_no_running_statistics_it_does_not_read():
     """Recomputed, a training BatchNorm runs without its running statistics: the plan must not keep
     the first call's updated statistics for the second call's recomputation (it did, and predicted
     their 64 bytes at a backward peak codegen never held them at)."""
-    from passes.costs import is_training_batch_norm
+    from remat_compiler.passes.costs import is_training_batch_norm
     from remat_compiler.plan import make_plan
     from remat_compiler.schedule import save_all_set
 
@@ -281,7 +281,7 @@ def test_two_threads_making_the_first_call_both_succeed_and_leave_the_model_inta
 
 
 def test_ctrl_c_during_the_solve_raises_at_once():
-    from examples.gpt2 import build
+    from remat_compiler.examples.gpt2 import build
 
     model, inputs, _ = build(n_layer=3, n_embd=64, n_head=2, vocab_size=256, batch=2, seq=64)
     _, cg = rc.analyze(model, (), inputs)

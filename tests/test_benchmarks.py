@@ -156,7 +156,7 @@ def test_each_inductor_variant_changes_its_one_step_and_restores_it():
     """benchmarks.inductor_variants: inside a variant the pipeline lacks exactly its step (the index
     merge is out of the pass list for "unmerged index work", nothing is stored for "unstored shared
     values"); after it, everything is back."""
-    import passes
+    from remat_compiler import passes
     import remat_compiler.api as api
     import remat_compiler.inductor as inductor
     from benchmarks.inductor_variants import VARIANTS, variant

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import remat_compiler as rc
-from examples.gpt2 import build
+from remat_compiler.examples.gpt2 import build
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
 from remat_compiler.clock import Deadline
 from remat_compiler.graph import block_boundary_set, block_stack

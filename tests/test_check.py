@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import remat_compiler as rc
-from examples.models import MLPChain
+from remat_compiler.examples.models import MLPChain
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.clock import Deadline
 from remat_compiler.codegen import emit
@@ -96,7 +96,7 @@ def test_emitted_peak_is_the_plans_on_gpt2_with_reruns(hold_outputs):
     with reruns (a value recomputed twice: the emitted backward holds two instances of one
     FakeTensor's storage one after the other), then by CP-SAT."""
     pytest.importorskip("transformers")
-    from examples.gpt2 import build
+    from remat_compiler.examples.gpt2 import build
 
     torch.manual_seed(0)
     model, inputs, _ = build(n_layer=2, n_embd=32, n_head=2, vocab_size=128, batch=2, seq=32)

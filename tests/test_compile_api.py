@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import remat_compiler as rc
-from examples.models import MLPChain
+from remat_compiler.examples.models import MLPChain
 from remat_compiler.memory import LiveStorageTracker
 
 
@@ -224,7 +224,7 @@ def test_random_ops_are_never_recomputed():
 def test_attention_without_dropout_is_recomputed_and_with_dropout_is_not():
     """sdpa's CPU kernel is tagged random for its dropout alone: at dropout_p=0 (transformers' default,
     attention_dropout=0.0) it may be recomputed, and a plan that recomputes it trains like eager."""
-    from passes.costs import _never_recompute
+    from remat_compiler.passes.costs import _never_recompute
 
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     for p, random in ((0.1, True), (0.0, False)):  # (the CPU kernel refuses dropout > 0 when it runs)
@@ -236,7 +236,7 @@ def test_attention_without_dropout_is_recomputed_and_with_dropout_is_not():
     pytest.importorskip("transformers")
     import copy
 
-    from examples.zoo import build
+    from remat_compiler.examples.zoo import build
 
     model, inputs, _ = build("llama")  # LlamaConfig's defaults: sdpa attention, attention_dropout 0.0
     reference = copy.deepcopy(model)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import remat_compiler as rc
-from passes import CostModel
-from passes.allocator import CUDA_CACHING, EXACT, allocator_for
+from remat_compiler.passes import CostModel
+from remat_compiler.passes.allocator import CUDA_CACHING, EXACT, allocator_for
 from remat_compiler.errors import PlanMismatchError
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.plan import Plan

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remat_compiler as rc
-from examples.gpt2 import build
+from remat_compiler.examples.gpt2 import build
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 

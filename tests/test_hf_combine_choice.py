@@ -21,7 +21,7 @@ from remat_compiler.solvers import solve
 from remat_compiler.solvers.combine_choice import align_combines
 
 pytest.importorskip("transformers")
-from examples.zoo import build  # noqa: E402
+from remat_compiler.examples.zoo import build  # noqa: E402
 from remat_compiler.moe.hf import FUSED_CHILD  # noqa: E402
 from remat_compiler.moe.segments import segment_combines, why_not_choosable  # noqa: E402
 from tests.test_zoo import _step  # noqa: E402  (the seeded step: loss and gradients)

@@ -21,7 +21,7 @@ from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.solvers import solve
 
 pytest.importorskip("transformers")
-from examples.zoo import build  # noqa: E402
+from remat_compiler.examples.zoo import build  # noqa: E402
 from remat_compiler.moe.hf import (FUSED_CHILD, grouped_combine_dgrad, hf_fused_combine_mode,  # noqa: E402
                                    why_not_fusable)
 from tests.test_zoo import SEED, _step  # noqa: E402  (the seeded step: loss and gradients)

@@ -14,7 +14,7 @@ import torch
 
 import remat_compiler
 import remat_compiler.inductor as inductor
-from examples.models import build_mlp
+from remat_compiler.examples.models import build_mlp
 from remat_compiler.inductor import EmittedPeak, InductorGraph, UnreadableCodeError, _Storages, _walk
 from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
 
@@ -224,7 +224,7 @@ def test_gpt2_at_its_default_config_trains_like_eager_under_inductor():
     mask through the compiled code, and the measured peak is what the walk says, under the budget."""
     import copy
 
-    from examples.zoo import _gpt2
+    from remat_compiler.examples.zoo import _gpt2
 
     torch.manual_seed(0)
     model, _ = _gpt2()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remat_compiler as rc
-from passes.loss import cross_entropy_backward
+from remat_compiler.passes.loss import cross_entropy_backward
 
 aten = torch.ops.aten
 
@@ -30,7 +30,7 @@ def test_matches_nll_then_log_softmax_backward(reduction, weighted):
 
 def test_gpt2_loss_head_is_fused_and_trains_like_eager():
     pytest.importorskip("transformers")
-    from examples.gpt2 import build
+    from remat_compiler.examples.gpt2 import build
 
     model, inputs, _ = build(n_layer=1, n_embd=32, n_head=2, vocab_size=256, batch=2, seq=32)
     model(**inputs).loss.backward()

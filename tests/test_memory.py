@@ -17,7 +17,7 @@ def test_resident_peak_agrees_with_the_tracker_on_an_eager_step():
 
 
 def test_the_allocators_peak_is_the_trackers_on_an_eager_training_step():
-    from examples.models import build_mlp
+    from remat_compiler.examples.models import build_mlp
 
     model, (x,), _ = build_mlp(width=256, depth=6, batch=128, seed=0)
 

@@ -455,7 +455,7 @@ def test_costs_that_would_overflow_a_lexicographic_objective_still_choose(x, mon
     for an infeasible budget and the choice silently dropped): here a device 1e10 times slower than
     the default gives the small stack such costs. The model validates and the two-stage solve
     chooses, at the least peak of the least cost."""
-    from passes import CostModel
+    from remat_compiler.passes import CostModel
 
     slow = CostModel(compute_flops_per_s=10.0, memory_bytes_per_s=2.0)
     model = worker.make_model(SHAPE)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from examples.models import MLPChain
-from passes import PASSES, keys, run_passes
+from remat_compiler.examples.models import MLPChain
+from remat_compiler.passes import PASSES, keys, run_passes
 from remat_compiler.trace import trace
 
 
@@ -37,7 +37,7 @@ def test_device_presets_give_each_accelerators_roofline():
     import torch.nn as nn
 
     import remat_compiler as rc
-    from passes.costs import DEVICE_PRESETS, CostModel
+    from remat_compiler.passes.costs import DEVICE_PRESETS, CostModel
 
     h100 = CostModel.preset("H100")
     assert (h100.compute_flops_per_s, h100.memory_bytes_per_s, h100.memory_capacity_bytes) == \
@@ -88,7 +88,7 @@ def test_repeated_index_work_is_merged_within_a_module_and_nothing_else_is():
     twice there); the sub-module keeps its own; the two Linear calls and the two random draws stay
     two; the step's gradients are eager's."""
     import remat_compiler
-    from passes import merge_repeated_index_work
+    from remat_compiler.passes import merge_repeated_index_work
 
     torch.manual_seed(0)
     model, x = _TwoMasks(), torch.randn(2, 6, 8)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import remat_compiler as rc
-from passes import CostModel
+from remat_compiler.passes import CostModel
 from remat_compiler.plan_cache import CACHE_SCHEMA_VERSION, PlanCache, PlanCacheWarning, cache_key
 from remat_compiler.solvers import get_solver
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remat_compiler as rc
-from examples.models import MLPChain
+from remat_compiler.examples.models import MLPChain
 from remat_compiler.policies import (MATMUL_OPS, apply_policy, first_of, never_save, save, save_matmuls,
                                      save_only)
 from remat_compiler.schedule import save_all_set

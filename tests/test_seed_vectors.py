@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import remat_compiler as rc
-from examples.models import build_lecture
+from remat_compiler.examples.models import build_lecture
 from remat_compiler.plan import make_plan
 from remat_compiler.schedule import build_schedule, simulate
 

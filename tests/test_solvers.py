@@ -86,7 +86,7 @@ def test_a_strategy_that_does_not_apply_says_so_and_what_to_use():
 
 
 def test_greedy_is_bounded_by_its_time_limit():
-    from examples.models import MLPChain
+    from remat_compiler.examples.models import MLPChain
     from remat_compiler.schedule import peak_of
 
     torch.manual_seed(0)
@@ -114,7 +114,7 @@ def test_plan_models_time_limit_bounds_the_whole_call_tracing_included(monkeypat
     the solve runs on what is left; without a limit, or deterministic (CP-SAT's own time), the solver
     makes its own clock of its limit after the trace."""
     import remat_compiler.api as api
-    from examples.models import MLPChain
+    from remat_compiler.examples.models import MLPChain
     from remat_compiler.solvers.cpsat import OPTIONS, solve_cpsat
 
     clocks = []

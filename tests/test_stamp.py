@@ -11,7 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import remat_compiler as rc
 import remat_compiler.stamp as stamp
-from passes import keys
+from remat_compiler.passes import keys
 from remat_compiler.stamp import StampError, repeated_layers, trace_stamped
 from remat_compiler.trace import trace
 

@@ -180,7 +180,7 @@ def test_hf_trainer_trains_the_compiled_model_like_eager(tmp_path):
     on a default-config GPT-2: the same losses and weights after 3 steps as eager."""
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
-    from examples.zoo import build
+    from remat_compiler.examples.zoo import build
 
     wrapped, _, _ = build("gpt2")
     hf_model = wrapped.model

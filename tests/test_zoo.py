@@ -21,7 +21,7 @@ from remat_compiler.solvers import solve
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 pytest.importorskip("transformers")
-from examples.zoo import FAMILIES, build  # noqa: E402
+from remat_compiler.examples.zoo import FAMILIES, build  # noqa: E402
 from remat_compiler.solvers.moe import moe_segments  # noqa: E402
 
 TIME_LIMIT_S = 1

@@ -1,6 +1,6 @@
 """Repeated blocks of a cost graph: which forward nodes are identical layers, and their boundaries.
 
-A *block* is a child of the model's layer container (``remat.block``, tagged by :mod:`passes.blocks`).
+A *block* is a child of the model's layer container (``remat.block``, tagged by :mod:`remat_compiler.passes.blocks`).
 Blocks whose forward nodes have the same ops, shapes and dtypes in the same order are *identical*
 (a transformer's layers); the solvers use them to tie decisions, to decompose the problem per block
 and to start from per-block checkpointing. Every function here answers "none" with None or an empty

@@ -27,7 +27,7 @@ AOTAutograd writes back into the inputs and drops), ``block_container``, ``hold_
 the caller keeps the model's outputs through backward),
 ``device`` (the device type the step runs on), ``traced_on`` (the device type the trace ran on
 where it is not ``device``, else None: a CUDA plan traced on a CPU-only build), ``allocator`` (the
-:mod:`passes.allocator` model ``bytes`` are counted in), ``cost_model`` (the fields of the cost
+:mod:`remat_compiler.passes.allocator` model ``bytes`` are counted in), ``cost_model`` (the fields of the cost
 model the runtimes come from, or None), ``fingerprint`` (see :meth:`CostGraph.fingerprint`).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from passes import keys
+from remat_compiler.passes import keys
 
 __all__ = ["CostGraph"]
 
@@ -68,7 +68,7 @@ class CostGraph:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_graph_module(cls, gm: fx.GraphModule) -> "CostGraph":
-        """Build the CostGraph of a joint graph that :func:`passes.run_passes` annotated.
+        """Build the CostGraph of a joint graph that :func:`remat_compiler.passes.run_passes` annotated.
 
         Whether the caller keeps the model's outputs alive until backward ends is the trace's
         ``gm.meta["remat.hold_outputs"]`` (:func:`remat_compiler.trace.annotate_joint`): if not, they are
@@ -227,7 +227,7 @@ class CostGraph:
 
     @property
     def allocator(self) -> str:
-        """The :mod:`passes.allocator` model the bytes are counted in (``"exact"``, ``"cuda_caching"``)."""
+        """The :mod:`remat_compiler.passes.allocator` model the bytes are counted in (``"exact"``, ``"cuda_caching"``)."""
         return self.g.graph.get("allocator", "exact")
 
     def preds(self, name: str) -> list[str]:

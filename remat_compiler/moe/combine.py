@@ -24,7 +24,7 @@ them, so an in-place ``H.mul_(p)`` written there becomes an out-of-place ``mul``
 backward holds ``H`` and ``p * H`` (two ``[rows, F]`` tensors) at once; likewise the wgrad operand
 ``p * G`` (or ``p * a``) would be a ``[rows, H]`` (``[rows, F]``) temporary held with ``G``, ``a`` and
 the recomputation of ``a``. :func:`combine_dgrad` is therefore one custom op (opaque to the trace, like
-``passes.loss``'s fused cross-entropy backward) for both GEMMs: one ``[rows, F]`` buffer holds
+``remat_compiler.passes.loss``'s fused cross-entropy backward) for both GEMMs: one ``[rows, F]`` buffer holds
 ``p * a`` for the wgrad GEMM, then ``H`` from the dgrad GEMM, whose row dot products with ``a`` give
 ``d(probs)``, and is scaled in place into ``dL/da``. Its only allocations are its three outputs, which
 the plan's simulator counts like any op's.

@@ -45,7 +45,7 @@ from .combine import rowdot
 __all__ = ["grouped_combine_dgrad", "GroupedFusedCombine", "GroupedFusedCombineStep", "why_not_fusable",
            "hf_blocks", "hf_combine_modes", "hf_fused_combine_mode", "FUSED_CHILD"]
 
-#: the submodule of a swapped experts module that runs the fused combine (``passes.moe`` tags its nodes)
+#: the submodule of a swapped experts module that runs the fused combine (``remat_compiler.passes.moe`` tags its nodes)
 FUSED_CHILD = "fused_combine"
 
 
@@ -109,7 +109,7 @@ def _(grad_rows, w2, act, p_rows, offsets, need_w2):
 @register_flop_formula(torch.ops.remat.grouped_combine_dgrad)
 def _grouped_combine_dgrad_flop(grad_shape, w2_shape, act_shape, p_shape, offsets_shape, need_w2,
                                 out_shape=None, **kwargs) -> int:
-    """The dgrad GEMM (``2 * S * H * F``, as ``passes.costs`` counts a grouped GEMM), the row dot
+    """The dgrad GEMM (``2 * S * H * F``, as ``remat_compiler.passes.costs`` counts a grouped GEMM), the row dot
     products (``2 * S * F``, as ``bmm`` counts them) and the wgrad GEMM when asked; the scalings left out."""
     rows, hidden = grad_shape
     width = act_shape[1]
@@ -154,7 +154,7 @@ class GroupedFusedCombine(torch.autograd.Function):
 
 class GroupedFusedCombineStep(nn.Module):
     """:class:`GroupedFusedCombine` as a submodule (no parameters), so that its traced nodes carry a
-    module path of their own (``<experts>.fused_combine``, which ``passes.moe`` tags ``fused``)."""
+    module path of their own (``<experts>.fused_combine``, which ``remat_compiler.passes.moe`` tags ``fused``)."""
 
     def forward(self, act, w2, offsets, probs_g, perm, token_g, num_top_k: int) -> torch.Tensor:
         return GroupedFusedCombine.apply(act, w2, offsets, probs_g, perm, token_g, num_top_k)
@@ -231,10 +231,10 @@ def why_not_fusable(experts: nn.Module) -> str | None:
 
 
 def hf_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """The transformers MoE blocks of ``model`` that ``passes.moe`` recognises
-    (:data:`passes.moe.MOE_BLOCKS`) and that have an ``experts`` child, by module path: the names of
+    """The transformers MoE blocks of ``model`` that ``remat_compiler.passes.moe`` recognises
+    (:data:`remat_compiler.passes.moe.MOE_BLOCKS`) and that have an ``experts`` child, by module path: the names of
     their segments in a traced graph (``meta["remat.moe"]["segment"]``)."""
-    from passes.moe import MOE_BLOCKS
+    from remat_compiler.passes.moe import MOE_BLOCKS
 
     return {path: m for path, m in model.named_modules()
             if MOE_BLOCKS.get(type(m).__name__, "moe_layer") != "moe_layer"
@@ -300,7 +300,7 @@ def hf_combine_modes(model: nn.Module, modes):
 def hf_fused_combine_mode(model: nn.Module):
     """Run every fusable transformers experts module of ``model`` with the fused combine; restore on exit.
 
-    For each ``experts`` child of a transformers MoE block that ``passes.moe`` recognises and
+    For each ``experts`` child of a transformers MoE block that ``remat_compiler.passes.moe`` recognises and
     :func:`why_not_fusable` accepts, the instance gets a ``forward`` (transformers' grouped_mm forward
     with the down projection and combine fused, identical outputs) and a ``fused_combine`` child
     (:class:`GroupedFusedCombineStep`); both are removed on exit, even on error. Other experts are left

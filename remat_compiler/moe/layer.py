@@ -302,7 +302,7 @@ class FusedCombineStep(nn.Module):
     """GEMM2 -> combine A2A -> weighted Unpermute as one :class:`FusedCombine` node (no parameters).
 
     Its own submodule so that the traced nodes of the fused combine carry a module path of their own
-    (``passes.moe`` tags them). It uses ``gemm2.weight``, passed in by the layer.
+    (``remat_compiler.passes.moe`` tags them). It uses ``gemm2.weight``, passed in by the layer.
     """
 
     def __init__(self, group):

@@ -2,7 +2,7 @@
 
 A segment is an :class:`~remat_compiler.moe.MoELayer` or a transformers MoE block
 (:func:`~remat_compiler.moe.hf.hf_blocks`), named by its module path in the model, as
-``meta["remat.moe"]["segment"]`` names it in the traced graph (:mod:`passes.moe`) and
+``meta["remat.moe"]["segment"]`` names it in the traced graph (:mod:`remat_compiler.passes.moe`) and
 ``plan.extras["moe_combine"]`` records it. :func:`segment_combines` traces each with the combine a
 mapping names (MoELayer: ``combine_mode``; HF block: the fused down projection + combine swapped into
 its experts or not); :func:`why_not_choosable` says, per segment, whether the default solver can

@@ -11,7 +11,7 @@ same forward ops and differ, in each segment, only in one contiguous piece of th
 gradient of the segment's output ``G`` to ``dL/da`` (the SwiGLU output's gradient), ``dL/dp`` (the
 probabilities') and ``dL/dW2``. An MoELayer's piece is the backward its GEMM2, combine and unpermute
 submodules recorded; an HF block's, all recorded by its ``experts`` module, is the backward of its
-GEMM2 and unpermute forward ops (:func:`in_piece`, ``passes.moe``'s ``grad_of``). :func:`align_combines` takes the
+GEMM2 and unpermute forward ops (:func:`in_piece`, ``remat_compiler.passes.moe``'s ``grad_of``). :func:`align_combines` takes the
 graphs traced with every segment in each mode and checks exactly that: identical forward nodes (names,
 ops, shapes), and a backward that, outside the pieces, is the same sequence of ops in both, node for
 node. It returns the :class:`CombineUnion`: per segment, each piece's nodes, what it reads (the
@@ -50,7 +50,7 @@ from remat_compiler.graph import CostGraph
 __all__ = ["Piece", "CombineUnion", "align_combines", "in_piece", "MODES", "PIECE_ROLES"]
 
 MODES = ("autograd", "fused")
-#: Backward roles of a segment's combine piece (:mod:`passes.moe`): the fused combine's backward
+#: Backward roles of a segment's combine piece (:mod:`remat_compiler.passes.moe`): the fused combine's backward
 #: nodes are all of the ``fused_combine`` submodule, tagged with these roles too.
 PIECE_ROLES = frozenset({"gemm2", "combine_a2a", "unpermute"})
 

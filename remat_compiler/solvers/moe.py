@@ -1,6 +1,6 @@
 """The hand-picked MoE recompute strategies as solvers: ``moe_origin``, ``moe_fast``, ``moe_custom``.
 
-Each one fixes a saved set by a rule over the MoE segments that :mod:`passes.moe` tagged
+Each one fixes a saved set by a rule over the MoE segments that :mod:`remat_compiler.passes.moe` tagged
 (``cost_graph.g.nodes[n]["moe"]``) and goes through :func:`~remat_compiler.solvers.baselines.fixed_plan`,
 so it is simulated, checked and emitted like any other plan. Outside the MoE segments every strategy
 saves what backward reads there (as :func:`~remat_compiler.schedule.save_all_set` does); inside:
@@ -51,7 +51,7 @@ __all__ = ["moe_segments", "segment_inputs", "origin_saved_set", "fast_saved_set
 def moe_segments(cg: CostGraph) -> dict[str, dict[str, list[str]]]:
     """The forward nodes of each tagged MoE segment, by role: ``{segment: {role: [names]}}``.
 
-    Names are in forward order; segments are keyed by module path (see :mod:`passes.moe`).
+    Names are in forward order; segments are keyed by module path (see :mod:`remat_compiler.passes.moe`).
     """
     segments: dict[str, dict[str, list[str]]] = {}
     for n in cg.fw_order:
@@ -154,7 +154,7 @@ def solve_moe_origin(cg: CostGraph, budget_bytes: int | None) -> Plan:
     Parameters
     ----------
     cg : CostGraph
-        A graph with MoE segments tagged by :mod:`passes.moe`.
+        A graph with MoE segments tagged by :mod:`remat_compiler.passes.moe`.
     budget_bytes : int | None
         Checked, not optimised for.
 

@@ -37,7 +37,7 @@ from collections import OrderedDict
 
 import torch
 
-from passes import keys
+from remat_compiler.passes import keys
 from remat_compiler.stamp.build import build
 from remat_compiler.stamp.layout import StampError, Trace
 

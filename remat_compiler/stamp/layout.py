@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from passes import keys
+from remat_compiler.passes import keys
 
 __all__ = ["StampError", "Layout", "Trace", "tensors"]
 
