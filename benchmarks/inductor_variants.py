@@ -11,7 +11,7 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
   before it is planned, random ops left to eager's generator (``fallback_random``);
 - ``no fused recompute``: the same, without :func:`remat_compiler.fusion.fusible_recompute` (the
   plan as CP-SAT made it);
-- ``unmerged index work``: the same, without :func:`passes.merge_repeated_index_work` (the pass list
+- ``unmerged index work``: the same, without :func:`remat_compiler.passes.merge_repeated_index_work` (the pass list
   as it was before session 16: GPT-2's mask is recomputed inside every layer's softmax kernel);
 - ``unstored shared values``: the same, without :func:`remat_compiler.inductor.store_shared_values`
   (a pointwise value several layers read is computed again inside each layer's kernel, as before
@@ -23,8 +23,9 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
 
 Then all are stepped round-robin, every other round in reverse order (gradients reset before each
 step, the loss alone held); each row gives the median step and the median over rounds of its step
-over the peer's in the same round. The variants are made by swapping two of
-:mod:`remat_compiler.api`'s steps, or the pass list, during the runner's first call, so this is a
+over the peer's in the same round. The variants are made by swapping one step of the backend
+(:mod:`remat_compiler.module`'s ``annotate_joint``, :mod:`remat_compiler.inductor.backend`'s ``fusing``,
+:mod:`remat_compiler.inductor.compile`'s ``store_shared_values``), or the pass list, during the runner's first call, so this is a
 probe of the pipeline, not an option of it. Peaks are the walk of Inductor's code (= the backend's
 first-step measure), not resident sets: see :mod:`benchmarks.inductor_peers` for those.
 """
@@ -38,7 +39,6 @@ import time
 import torch
 
 import remat_compiler
-import remat_compiler.api as api
 from benchmarks.measure import compute_loss
 from benchmarks.strategies import pytorch_runner
 from benchmarks.workloads import WORKLOADS
@@ -57,10 +57,13 @@ def variant(name: str):
     from torch._inductor import config
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
+    import remat_compiler.inductor.backend as backend
+    import remat_compiler.inductor.compile as inductor_compile
+    import remat_compiler.module as module
     from remat_compiler import passes
-    import remat_compiler.inductor as inductor
 
-    annotate, fusing, pass_list, store = api.annotate_joint, api._fusing, passes.PASSES, inductor.store_shared_values
+    annotate, fusing = module.annotate_joint, backend.fusing
+    pass_list, store = passes.PASSES, inductor_compile.store_shared_values
 
     def with_joint_passes(joint, step):
         with config.patch(fallback_random=True):
@@ -69,20 +72,20 @@ def variant(name: str):
         return annotate(joint, step)
 
     if name == "joint passes":
-        api.annotate_joint = with_joint_passes
+        module.annotate_joint = with_joint_passes
     elif name == "no fused recompute":
-        api._fusing = lambda spec: spec
+        backend.fusing = lambda spec: spec
     elif name == "unmerged index work":
         passes.PASSES = tuple(p for p in pass_list if p.run is not passes.merge_repeated_index_work)
     elif name == "unstored shared values":
-        inductor.store_shared_values = lambda gm: []
+        inductor_compile.store_shared_values = lambda gm: []
     elif name != "as built":
         raise ValueError(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
     try:
         yield
     finally:
-        api.annotate_joint, api._fusing, passes.PASSES = annotate, fusing, pass_list
-        inductor.store_shared_values = store
+        module.annotate_joint, backend.fusing, passes.PASSES = annotate, fusing, pass_list
+        inductor_compile.store_shared_values = store
 
 
 def main(argv=None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 
-__all__ = ["Deadline", "MIN_SLICE_S"]
+__all__ = ["Deadline", "MIN_SLICE_S", "check_time_limit"]
 
 # The least time a search phase gets even when the time limit is spent (CP-SAT needs a moment to
 # return the hinted plan): a solve returns within time_limit_s plus a few of these.
@@ -67,3 +67,12 @@ class Deadline:
         self._spent += seconds
         if self._parent is not None:
             self._parent.charge(seconds)
+
+
+def check_time_limit(time_limit_s) -> None:
+    """Raise ValueError unless ``time_limit_s`` is None or a positive, finite number of seconds."""
+    if time_limit_s is None:
+        return
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) \
+            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
+        raise ValueError(f"time_limit_s={time_limit_s!r} must be a positive number of seconds")

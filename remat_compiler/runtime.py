@@ -116,18 +116,19 @@ def on_rank0(make: Callable[[], tuple], what: str) -> tuple:
     return payload[0]
 
 
-def plan_on_rank0(make_plan: Callable[[], Plan]) -> Plan:
+def plan_on_rank0(make_plan: Callable[[], tuple[Plan, str]]) -> tuple[Plan, str]:
     """Under torch.distributed every rank runs rank 0's plan (a differing plan deadlocks collectives):
-    rank 0 solves and broadcasts the plan, or the error it met, which every rank then raises
-    (:func:`on_rank0`). Other ranks do not solve."""
-    made: list[Plan] = []
+    rank 0 makes it (``make_plan`` returns the plan and where it came from) and broadcasts it, or the
+    error it met, which every rank then raises (:func:`on_rank0`). Other ranks do not solve: they
+    return rank 0's plan with ``"rank 0"`` as where it came from."""
+    made: list[tuple[Plan, str]] = []
 
     def make() -> tuple:
         try:
             made.append(make_plan())
         except InfeasibleBudgetError as exc:
             return ("infeasible", exc.budget_bytes, exc.min_feasible_bytes, exc.proven, str(exc))
-        return ("plan", made[0].to_json())
+        return ("plan", made[0][0].to_json())
 
     kind, *rest = on_rank0(make, "plan this step")
     if kind == "infeasible":
@@ -135,4 +136,4 @@ def plan_on_rank0(make_plan: Callable[[], Plan]) -> Plan:
         exc = InfeasibleBudgetError(budget, smallest, proven=proven)
         exc.args = (message,)
         raise exc
-    return made[0] if made else Plan.from_json(rest[0])
+    return made[0] if made else (Plan.from_json(rest[0]), "rank 0")

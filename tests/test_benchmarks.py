@@ -157,19 +157,20 @@ def test_each_inductor_variant_changes_its_one_step_and_restores_it():
     merge is out of the pass list for "unmerged index work", nothing is stored for "unstored shared
     values"); after it, everything is back."""
     from remat_compiler import passes
-    import remat_compiler.api as api
-    import remat_compiler.inductor as inductor
+    import remat_compiler.inductor.backend as backend
+    import remat_compiler.inductor.compile as inductor_compile
+    import remat_compiler.module as module
     from benchmarks.inductor_variants import VARIANTS, variant
 
     def steps():
-        return passes.PASSES, api._fusing, api.annotate_joint, inductor.store_shared_values
+        return passes.PASSES, backend.fusing, module.annotate_joint, inductor_compile.store_shared_values
 
     pass_list, fusing, annotate, store = before = steps()
     with variant("unmerged index work"):
         assert [p.name for p in passes.PASSES] == [p.name for p in pass_list if p.name != "merge_repeated_index_work"]
         assert steps()[1:] == before[1:]
     with variant("unstored shared values"):
-        assert inductor.store_shared_values is not store and inductor.store_shared_values(None) == []
+        assert inductor_compile.store_shared_values is not store and inductor_compile.store_shared_values(None) == []
         assert steps()[:3] == before[:3]
     for name in VARIANTS:
         with variant(name):

@@ -180,9 +180,9 @@ def test_the_walk_visits_each_emitted_node_once():
 def test_compile_checks_the_emitted_code(monkeypatch):
     """compile runs check_emitted on every step it emits: a codegen that keeps a saved value alive
     to the end of backward is refused before the step runs."""
-    import remat_compiler.api as api
+    import remat_compiler.pipeline as pipeline
 
-    real_emit = api.emit
+    real_emit = pipeline.emit
     seen = {}
 
     def emit_and_corrupt(gm, plan):
@@ -196,7 +196,7 @@ def test_compile_checks_the_emitted_code(monkeypatch):
         seen["plan"] = plan
         return fw, bw
 
-    monkeypatch.setattr(api, "emit", emit_and_corrupt)
+    monkeypatch.setattr(pipeline, "emit", emit_and_corrupt)
     torch.manual_seed(0)
     m = rc.compile(MLPChain(64, 4), memory_budget=0.8, time_limit_s=5)
     with pytest.raises(PlanCheckError, match="the emitted code"):

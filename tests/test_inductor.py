@@ -15,7 +15,8 @@ import torch
 import remat_compiler
 import remat_compiler.inductor as inductor
 from remat_compiler.examples.models import build_mlp
-from remat_compiler.inductor import EmittedPeak, InductorGraph, UnreadableCodeError, _Storages, _walk
+import remat_compiler.inductor.compile as inductor_compile
+from remat_compiler.inductor import EmittedPeak, InductorGraph, Storages, UnreadableCodeError, walk_graph
 from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
 
 
@@ -83,8 +84,8 @@ def test_the_walk_counts_allocations_reuse_multi_outputs_and_returns_as_inductor
     graph = InductorGraph(fn=None, source=_FORWARD,
                           buffer_bytes={"buf1": 0, "buf2": 128, "buf3": 32, "buf6": 0, "buf7": 5056})
     peak = EmittedPeak()
-    mem = _Storages(peak)
-    outs = _walk(graph, "forward", mem, [None, None])
+    mem = Storages(peak)
+    outs = walk_graph(graph, "forward", mem, [None, None])
     # buf0 (128 B) + dropout's two outputs (128 + 32) live, then buf5 (4 float64 = 32 B) joins them;
     # buf2 is freed before the single-output fallback (buf6) makes its output buf7 (5056 B)
     assert peak.peak_bytes == 128 + 32 + 32 + 5056
@@ -114,8 +115,8 @@ runner = Runner(partitions=[])
 """
     graph = InductorGraph(fn=None, source=source, buffer_bytes={"buf1": 0, "buf2": 256, "buf3": 512})
     peak = EmittedPeak()
-    mem = _Storages(peak)
-    outs = _walk(graph, "forward", mem, [None])
+    mem = Storages(peak)
+    outs = walk_graph(graph, "forward", mem, [None])
     assert (peak.peak_bytes, peak.peak_node) == (256 + 256 + 512, "forward:buf1")  # was 768: buf0 gone first
     assert [mem.bytes[s] for s in outs] == [256, 512] and mem.live_bytes == 768
 
@@ -126,7 +127,7 @@ def test_the_walk_refuses_a_line_it_cannot_size():
     graph = InductorGraph(fn=None, source=source,
                           buffer_bytes={"buf1": 0, "buf2": 128, "buf3": 32, "buf6": 0, "buf7": 5056})
     with pytest.raises(UnreadableCodeError, match="buf5"):
-        _walk(graph, "forward", _Storages(EmittedPeak()), [None, None])
+        walk_graph(graph, "forward", Storages(EmittedPeak()), [None, None])
 
 
 _CHECKED = """
@@ -316,7 +317,7 @@ def test_a_value_every_layer_reads_is_computed_once_not_inside_each_layer(monkey
     import copy
 
     if not stored:
-        monkeypatch.setattr(inductor, "store_shared_values", lambda gm: [])
+        monkeypatch.setattr(inductor_compile, "store_shared_values", lambda gm: [])
     torch.manual_seed(0)
     model = _MaskedLayers()
     x, keep = torch.randn(16, 64), torch.rand(16, 64) > 0.3
@@ -359,7 +360,7 @@ def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_i
     real = inductor.compiled_peak
     calls = []
     # Inductor's code for the first plan peaks 1 B over
-    monkeypatch.setattr(inductor, "compiled_peak", _over_on_first_call(calls, budget + 1))
+    monkeypatch.setattr(inductor_compile, "compiled_peak", _over_on_first_call(calls, budget + 1))
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
     _step_without_warning(m, x, loss_fn)
     assert len(calls) == 2
@@ -369,7 +370,7 @@ def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_i
         peak = real(*args, **kwargs)
         peak.record("forward:pretend", 10 * budget)
         return peak
-    monkeypatch.setattr(inductor, "compiled_peak", always_far_over)
+    monkeypatch.setattr(inductor_compile, "compiled_peak", always_far_over)
     model.zero_grad()
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
     with pytest.warns(RuntimeWarning, match="eager backend's plan"):
@@ -384,7 +385,7 @@ def test_where_the_lowered_budget_has_no_plan_the_leanest_plan_is_compiled_next(
     model, x, loss_fn = _mlp_case()
     budget = 180_000
     calls = []
-    monkeypatch.setattr(inductor, "compiled_peak", _over_on_first_call(calls, 2 * budget))
+    monkeypatch.setattr(inductor_compile, "compiled_peak", _over_on_first_call(calls, 2 * budget))
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
     _step_without_warning(m, x, loss_fn)
     assert len(calls) == 2  # the infeasible budget was refused by the solve, before any compile

@@ -348,7 +348,7 @@ def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
     of a fresh time_limit_s after it."""
     import time
 
-    import remat_compiler.api as api
+    import remat_compiler.combines as combines
 
     clocks = []
 
@@ -356,7 +356,7 @@ def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
         clocks.append(options["deadline"])
         time.sleep(1.0)  # the choice's search, spent
         raise remat_compiler.InfeasibleBudgetError(budget_bytes or 0, budget_bytes or 0, proven=False)
-    monkeypatch.setattr(api, "solve_choice", finds_none)
+    monkeypatch.setattr(combines, "solve_choice", finds_none)
     plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5).plan
     assert len(clocks) == 1  # the model as it is, by solve_cpsat, which says why in explain()
     modes = {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()}
@@ -382,12 +382,13 @@ def test_explains_comparisons_stop_at_their_share_of_the_time_limit(x, monkeypat
     """Each comparison explain() makes traces the step again after the solve: with no time set aside
     for them none is made (no third trace), and each segment says it was not compared."""
     import remat_compiler.api as api
+    import remat_compiler.combines as combines
 
     traces = []
     real = api.trace_for_planning
     monkeypatch.setattr(api, "trace_for_planning", lambda *a, **k: traces.append(1) or real(*a, **k))
-    monkeypatch.setattr(api, "COMPARE_SHARE", 0.0)
-    monkeypatch.setattr(api, "COMPARE_MIN_S", 0.0)
+    monkeypatch.setattr(combines, "COMPARE_SHARE", 0.0)
+    monkeypatch.setattr(combines, "COMPARE_MIN_S", 0.0)
     plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5).plan
     assert len(traces) == 3  # autograd, fused, then the chosen combines: no flipped one
     for c in plan.extras["moe_combine"].values():
@@ -480,14 +481,14 @@ def test_a_feasible_choice_reports_its_gap_and_the_simulated_peak(x, monkeypatch
     the chosen graph, not the bound, with the other combine's."""
     import dataclasses
 
-    import remat_compiler.api as api
+    import remat_compiler.combines as combines
     from remat_compiler.budget import human_bytes
 
     def loose(*args, **kwargs):
         choice = solve_choice(*args, **kwargs)
         return dataclasses.replace(choice, model_peak_bytes=choice.model_peak_bytes + 50_000,
                                    status="feasible", gap=0.25)
-    monkeypatch.setattr(api, "solve_choice", loose)
+    monkeypatch.setattr(combines, "solve_choice", loose)
     plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), memory_budget=300_000, time_limit_s=5).plan
     assert plan.status == "feasible" and plan.gap == 0.25
     assert plan.model_peak_bytes == plan.peak_bytes + 50_000

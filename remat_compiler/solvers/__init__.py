@@ -17,18 +17,16 @@ import torch
 
 from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.graph import CostGraph
-from remat_compiler.errors import PlanMismatchError
 from remat_compiler.moe.layer import fused_combine_mode
-from remat_compiler.moe.segments import segment_combines
-from remat_compiler.plan import Plan, make_plan, moe_combine_of
-from remat_compiler.schedule import build_schedule, no_recompute, simulate
+from remat_compiler.plan import Plan
+from remat_compiler.schedule import no_recompute
 from remat_compiler.solvers.baselines import solve_checkpoint_blocks, solve_save_all
 from remat_compiler.solvers.cpsat import OPTIONS as CPSAT_OPTIONS, solve_cpsat
 from remat_compiler.solvers.greedy import solve_greedy
 from remat_compiler.solvers.moe import solve_moe_cpsat, solve_moe_custom, solve_moe_fast, solve_moe_origin
 
 __all__ = ["Strategy", "SOLVERS", "solve", "get_solver", "resolve_budget", "solve_save_all",
-           "solve_checkpoint_blocks", "solve_cpsat", "solve_greedy", "chosen_combines"]
+           "solve_checkpoint_blocks", "solve_cpsat", "solve_greedy"]
 
 
 @dataclass(frozen=True)
@@ -133,73 +131,3 @@ def solve(cg: CostGraph, budget, solver: str | Callable[..., Plan] | Strategy = 
     strategy.check_options(options)
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     return strategy.solve(cg, resolve_budget(cg, parsed), **options)
-
-
-def chosen_combines(modes: dict[str, str], saved, *, status: str, solve_time_s: float,
-                    model_peak_bytes: int, flipped_peak_bytes: dict[str, int], gap: float = 0.0,
-                    fraction_base_bytes: int | None = None, not_chosen: dict[str, str] | None = None,
-                    flipped_recompute_s: dict[str, float] | None = None,
-                    on_plan: Callable[[Plan], None] | None = None) -> Strategy:
-    """The ``cpsat`` strategy that applies a choice already made by one solve over both MoE combines
-    (:func:`remat_compiler.solvers.cpsat.choice.solve_choice`): it traces every MoE segment with
-    its chosen combine (``prepare``, :func:`remat_compiler.moe.segments.segment_combines`) and
-    makes the plan of the chosen saved set on that graph.
-
-    Parameters
-    ----------
-    modes : dict of str to str
-        Each segment's combine: every segment of the graph, those that were no choice
-        (``not_chosen``) with the combine the model traces them with (``"fused"`` for a user's
-        ``combine="fused"`` MoELayer, else ``"autograd"``).
-    saved : iterable of str
-        The saved forward values.
-    status, gap, solve_time_s, model_peak_bytes :
-        As the solve found them (the plan records them; ``check_plan`` holds the simulated peak to
-        ``model_peak_bytes``).
-    flipped_peak_bytes : dict of str to int
-        Per segment, the simulated peak of the saved set with that segment's combine switched:
-        ``plan.explain()`` says why each combine was chosen against it and the plan's simulated peak
-        (:func:`~remat_compiler.solvers.cpsat.choice.reasons`).
-    flipped_recompute_s : dict of str to float, optional
-        Per segment, the estimated recompute time of the saved set with that segment switched
-        (explain() compares it with the plan's too).
-    fraction_base_bytes : int, optional
-        What a fraction budget was a fraction of: the no-recompute peak of the graph as the model
-        is (every combine autograd), not of the chosen graph. The plan records it
-        (``extras["fraction_base_bytes"]``) so that applying it under the same fraction resolves
-        the same budget (:func:`remat_compiler.api.decide`).
-    not_chosen : dict of str to str, optional
-        The segments that were no choice (they keep their combine), with why:
-        ``plan.explain()`` says it.
-    on_plan : callable, optional
-        Called with the plan once it is made (a plan cache stores it).
-
-    Returns
-    -------
-    Strategy
-        Its ``solve(cg, budget_bytes)`` raises PlanMismatchError on a graph whose segments were
-        traced with other combines.
-    """
-    from remat_compiler.solvers.cpsat.choice import reasons
-
-    saved = list(saved)
-
-    def solve(cg: CostGraph, budget_bytes: int | None) -> Plan:
-        combine = moe_combine_of(cg)
-        if {seg: c["mode"] for seg, c in combine.items()} != modes:
-            raise PlanMismatchError(f"the graph's MoE combines {combine} are not the ones chosen, {modes}")
-        fixed = not_chosen or {}
-        sim = simulate(cg, build_schedule(cg, saved))
-        why = reasons({s: m for s, m in modes.items() if s not in fixed}, sim.peak_bytes, flipped_peak_bytes,
-                      sim.recompute_s, flipped_recompute_s)
-        why.update({seg: f"no choice: {w}" for seg, w in fixed.items()})
-        for seg, c in combine.items():
-            c["why"] = why[seg]
-        plan = make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=status, gap=gap,
-                         solve_time_s=solve_time_s, model_peak_bytes=model_peak_bytes,
-                         extras={"moe_combine": combine, **({} if fraction_base_bytes is None else
-                                                            {"fraction_base_bytes": fraction_base_bytes})})
-        if on_plan is not None:
-            on_plan(plan)
-        return plan
-    return Strategy("cpsat", solve, prepare=lambda model: segment_combines(model, modes), searching=True)

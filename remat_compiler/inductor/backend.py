@@ -1,0 +1,202 @@
+"""The Inductor backend's first call of a compiled module: plan with fused recompute, compile, walk the
+code, re-plan lower while the code peaks above the budget, and measure the first step it runs.
+
+:func:`first_call` is what :class:`remat_compiler.module.CompiledModule` runs on its first call with
+``backend="inductor"``; the plan is made by the same pipeline (:func:`remat_compiler.pipeline.plan_joint`)
+with ``fused_recompute`` set (:func:`fusing`), and AOTAutograd's compilers are
+:class:`~remat_compiler.inductor.compile.InductorCompilers`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+import remat_compiler.inductor as inductor
+from remat_compiler.budget import Budget, parse_budget
+from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.inductor.compile import InductorCompilers, StepFacts
+from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
+from remat_compiler.pipeline import PlannedGraph, PlanSpec
+from remat_compiler.runtime import distributed
+from remat_compiler.solvers import resolve_budget
+from remat_compiler.trace import aot_step, run_traced
+
+__all__ = ["first_call", "fusing", "InductorState", "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
+
+
+#: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
+#: peaks above the budget, before it runs the eager backend's plan instead.
+INDUCTOR_REPLANS = 3
+#: How many times it re-plans after a first step measured above the budget (the walk missed
+#: something) before the next call runs the eager backend's plan instead.
+MEASURED_REPLANS = 1
+
+
+@dataclass
+class InductorState:
+    """What the backend keeps of one traced entry between its calls.
+
+    Attributes
+    ----------
+    over : tuple, optional
+        Set when the first step of its code measured above the budget: the next trace's (planning
+        budget, walk margin, overshot plan peak); the compiled module then traces the signature again.
+    replan : tuple, optional
+        This trace's, from the entry it replaces (that entry's ``over``).
+    measured_replans : int
+        Re-plans made after a first step measured above the budget.
+    """
+
+    over: tuple | None = None
+    replan: tuple | None = None
+    measured_replans: int = 0
+
+    @classmethod
+    def after(cls, previous: "InductorState | None") -> "InductorState":
+        """The state of a new trace of the step, after ``previous`` (None: the first trace)."""
+        if previous is None:
+            return cls()
+        return cls(replan=previous.over, measured_replans=previous.measured_replans + 1)
+
+
+def fusing(spec: PlanSpec) -> PlanSpec:
+    """``spec`` for the Inductor backend: a searching solver's plans then recompute the pointwise values
+    Inductor fuses into their readers instead of saving them (``fused_recompute``, applied by
+    :func:`remat_compiler.pipeline.fuse_recompute`). A given plan and a hand-picked strategy (whose saved
+    set is its definition) are left as they are."""
+    if spec.plan is not None or not spec.strategy.searching:
+        return spec
+    return dataclasses.replace(spec, fused_recompute=True)
+
+
+def inductor_facts(planned: PlannedGraph, budget: Budget, margin_bytes: int = 0) -> StepFacts:
+    """What :class:`remat_compiler.inductor.InductorCompilers` reads of the plan just made, and the
+    budget the walk of its code must keep, in bytes: less ``margin_bytes``, what a walk was found to
+    miss on this step."""
+    cg = planned.cg
+    limit = resolve_budget(cg, budget)
+    return StepFacts(planned.bw, len(cg.fw_outputs), tuple(cg.g.graph.get("input_updates", ())),
+                     cg.hold_outputs, planned.plan.peak_bytes,
+                     None if limit is None else limit - margin_bytes, cg.allocator)
+
+
+def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch.Tensor], *,
+               partition: Callable[[PlanSpec], Callable], eager: Callable[[], Any]):
+    """The Inductor backend's first call of a compiled module's entry: plan, compile, and re-plan under
+    a lower budget while Inductor's code peaks above the budget; after :data:`INDUCTOR_REPLANS`
+    re-plans, or when its code cannot be read, run the eager backend's plan instead, with a warning.
+
+    Each re-plan lowers the planning budget by what Inductor's code overshot. Where that lower
+    budget has no plan, the next try plans at the smallest peak the solve found instead (between
+    the infeasible budget and the last one whose code overshot): Inductor's code for the leanest
+    plan can still fit the budget even though the overshoot rule asked for less.
+
+    The code accepted is measured on its first step (:func:`first_step_report`). Where that
+    measured above the budget, this call is the next one (``entry.inductor.replan``): it plans under
+    the budget lowered by the overshoot, holding the walk of the new code below the budget by what
+    the old walk missed; after :data:`MEASURED_REPLANS` such re-plans it runs the eager backend's
+    plan, with a warning.
+
+    Parameters
+    ----------
+    entry : remat_compiler.module._Entry
+        The entry traced: its step, and where its function, plan and backend state go.
+    spec : PlanSpec
+        The compiled module's spec (its budget is the one the code must keep).
+    model : torch.nn.Module
+        The model, run on ``inputs`` (its state tensors and the call's tensors).
+    partition : callable
+        ``partition(spec)``: AOTAutograd's partition function planning the entry under ``spec``.
+    eager : callable
+        Runs the eager backend's first call instead (the fallback).
+
+    Returns
+    -------
+    The forward's outputs.
+    """
+    state = entry.inductor = InductorState.after(entry.inductor)
+    planning, why = fusing(spec), None
+    over_at = None  # the lowest planning budget whose Inductor code peaked above the budget
+    margin = 0  # bytes a walk of this step's code was found to miss (its first step measured)
+    tries = INDUCTOR_REPLANS + 1
+    if state.replan is not None:
+        lower, margin, over_at = state.replan
+        planning = _lowered(planning, lower)
+        if state.measured_replans > MEASURED_REPLANS:
+            why, tries = "the first step of its re-planned code measured above the budget again", 0
+    for _ in range(tries):
+        compilers = InductorCompilers(lambda: inductor_facts(entry.planned, spec.budget, margin),
+                                      first_step_report(entry, spec, margin))
+        entry.fn = aot_step(entry.step, partition(planning), fw_compiler=compilers.forward,
+                            bw_compiler=compilers.backward, decompositions=inductor.DECOMPOSITIONS)
+        try:
+            with spec.prepared(model):
+                out = run_traced(entry.fn, model, inputs)
+        except CompiledOverBudget as over:
+            why = str(over)
+            over_at = min(over.limit_bytes, over.plan_peak_bytes)
+            planning = _lowered(planning, over_at - (over.peak.peak_bytes - over.limit_bytes))
+            continue
+        except UnreadableCodeError as exc:
+            why = f"its generated code could not be read ({exc})"
+            break
+        except InfeasibleBudgetError as exc:
+            if over_at is None:  # the user's own budget: no plan at all
+                raise
+            why = f"a plan under the lower budget it needs does not exist ({exc})"
+            if exc.min_feasible_bytes >= over_at:
+                break  # the leanest plan found peaks where a plan's code already overshot
+            planning = _lowered(planning, exc.min_feasible_bytes)
+            continue
+        entry.planned.backend = "inductor"
+        entry.planned.compiled = compilers.peak
+        entry.planned.inductor = (compilers.fw, compilers.bw)
+        return out
+    warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
+                  f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
+    return eager()
+
+
+def _lowered(spec: PlanSpec, budget_bytes: float) -> PlanSpec:
+    """``spec`` re-planning under ``budget_bytes`` (1 byte at least), solved afresh (no given or cached plan)."""
+    return dataclasses.replace(spec, budget=parse_budget(max(int(budget_bytes), 1)), plan=None, plan_cache=None)
+
+
+def first_step_report(entry, spec: PlanSpec, margin: int) -> Callable[[int, int], None]:
+    """What to do with the measured peak of the first step of this entry's Inductor code
+    (:class:`remat_compiler.inductor.FirstStepCheck`): record it and, above ``spec``'s budget, warn
+    and have the next call plan again under a budget lowered by the overshoot, with the walk of
+    the new code held below the budget by what this walk missed (``entry.inductor.over``). Under
+    torch.distributed it only warns: the ranks measure apart, and a re-plan on one rank alone would
+    part their plans. Where the caller held outputs through the backward that ``hold_outputs=False``
+    planned as freed (``held`` bytes), the warning says so and what to do."""
+    def report(measured: int, held: int) -> None:
+        planned = entry.planned
+        planned.first_step_bytes = measured
+        limit = resolve_budget(planned.cg, spec.budget)
+        if limit is None or measured <= limit:
+            return
+        walked = planned.compiled
+        missed = max(measured - walked.peak_bytes, 0)
+        said = (f"backend='inductor': the first step of Inductor's code for this plan measured "
+                f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
+                f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
+        if held:
+            said += (f". The caller still held {held} bytes of the step's outputs through its backward, "
+                     f"which hold_outputs=False plans as freed when the forward returns"
+                     f"{' (that is all the walk missed)' if missed <= held else ''}: keep only the loss "
+                     f"(loss = m(x, labels=y).loss; loss.backward()), or compile with hold_outputs=True so "
+                     f"that the plan counts them")
+        if distributed():
+            warnings.warn(f"{said}. Under torch.distributed it is not re-planned on one rank: pass a "
+                          f"memory_budget lower by {measured - limit} bytes", RuntimeWarning, stacklevel=2)
+            return
+        over_at = min(limit, planned.plan.peak_bytes)
+        entry.inductor.over = (over_at - (measured - limit), margin + missed, over_at)
+        warnings.warn(f"{said}. The next call plans this step again under a budget lower by "
+                      f"{measured - limit} bytes", RuntimeWarning, stacklevel=2)
+    return report

@@ -1,0 +1,166 @@
+"""AOTAutograd's forward and backward compilers under a plan: each graph compiled by Inductor
+(:func:`compile_graph`), its code walked before anything runs, refused above the budget
+(:class:`InductorCompilers`)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from remat_compiler.emitted import EmittedPeak, held_positions
+from remat_compiler.inductor.first_step import FirstStepCheck
+from remat_compiler.inductor.graph import CompiledOverBudget, InductorGraph, UnreadableCodeError
+from remat_compiler.inductor.walk import compiled_peak
+from remat_compiler.passes.shared_values import store_shared_values
+
+__all__ = ["compile_graph", "StepFacts", "InductorCompilers"]
+
+
+@contextlib.contextmanager
+def _recording_buffers(into: dict[str, int]) -> Iterator[None]:
+    """Record the storage bytes of every buffer each graph lowered in the block writes code for."""
+    from torch._inductor import ir
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for name, buf in self.name_to_buffer.items():
+            layout = buf.get_output_spec()
+            if isinstance(layout, ir.Layout):
+                into[name] = int(layout.storage_size()) * layout.dtype.itemsize
+            else:
+                into[name] = 0
+        return result
+
+    GraphLowering.codegen = codegen
+    try:
+        yield
+    finally:
+        GraphLowering.codegen = original
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: bool,
+                  num_user_outputs: int = 0) -> InductorGraph:
+    """Compile one of a plan's graphs with Inductor (``compile_fx_inner``), recording its buffers.
+
+    The outputs the caller sees keep the strides the traced graph gives them, as ``torch.compile``
+    keeps them: the forward's first ``num_user_outputs`` and every gradient the backward returns (a
+    gradient in another layout than its parameter's would be copied by autograd's accumulation, an
+    allocation outside both the plan and the code). Inductor's FX graph cache is off for the call: a
+    cache hit would skip the lowering whose buffers the walk needs.
+    """
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from remat_compiler.collectives import as_library_ops
+
+    as_library_ops(gm)  # the gloo release after each wait, as operators Inductor can lower
+    store_shared_values(gm)
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    returned = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    visible = range(len(returned)) if backward else range(num_user_outputs)
+    out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
+    buffers: dict[str, int] = {}
+    with _recording_buffers(buffers), config.patch(fx_graph_cache=False):
+        if backward:
+            fn = compile_fx_inner(gm, example_inputs, is_backward=True)
+        else:
+            fn = compile_fx_inner(gm, example_inputs, is_inference=False)
+    source = getattr(fn, "source_code", None)
+    if not isinstance(source, str):
+        raise UnreadableCodeError(f"Inductor returned {type(fn).__name__} without its generated source")
+    return InductorGraph(fn, source, buffers)
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the compilers read of the plan the partitioner just made (see :class:`InductorCompilers`)."""
+
+    bw: fx.GraphModule          # the plan's backward, as emitted
+    num_fwd_outputs: int        # the forward's outputs that are the user's (the rest are saved)
+    input_updates: tuple        # positions among those of inputs mutated in place
+    hold_outputs: bool
+    plan_peak_bytes: int
+    limit_bytes: int | None     # the budget (None: no limit; the walk still gives the prediction)
+    allocator: str = "exact"    # the passes.allocator model the plan's bytes are counted in
+
+
+class InductorCompilers:
+    """AOTAutograd's forward and backward compilers for one traced step under a plan.
+
+    The forward's compiles the plan's forward and, at once, its backward (AOTAutograd would only ask
+    for the backward when it first runs, too late to re-plan), walks the two (:func:`compiled_peak`)
+    and raises :class:`CompiledOverBudget` when the code peaks above the budget, before anything
+    runs. The backward's hands back the backward compiled then, after checking that AOTAutograd asks
+    for that same graph.
+
+    Once the code is accepted, the first step it runs is measured (:class:`FirstStepCheck`) and
+    ``on_first_step`` is called with the bytes measured and the bytes of outputs the walk counted
+    as freed that the caller still held when the backward ran.
+
+    Parameters
+    ----------
+    facts : callable
+        Returns the :class:`StepFacts` of the plan the partitioner just made.
+    on_first_step : callable, optional
+        Called with the measured peak of the first step the accepted code runs, and the bytes of
+        its outputs the caller held against the plan's assumption (see :class:`FirstStepCheck`).
+    """
+
+    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int, int], None] | None = None):
+        self._facts = facts
+        self._on_first_step = on_first_step
+        self.fw: InductorGraph | None = None
+        self.bw: InductorGraph | None = None
+        self.peak: EmittedPeak | None = None
+        self._bw_code: str | None = None
+
+    def forward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
+        facts = self._facts()
+        self.fw = compile_graph(gm, example_inputs, backward=False, num_user_outputs=facts.num_fwd_outputs)
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            bw_gm = copy.deepcopy(facts.bw)
+        self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
+        self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True)
+        self.peak = compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
+                                  input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,
+                                  allocator=facts.allocator)
+        if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
+            raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
+        if self._on_first_step is not None:
+            skip = set(held_positions(gm, facts.num_fwd_outputs, facts.input_updates, facts.hold_outputs))
+            skip |= set(facts.input_updates)
+            unheld = [i for i in range(facts.num_fwd_outputs) if i not in skip]
+            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step, allocator=facts.allocator,
+                           unheld=unheld)
+        return self.fw
+
+    def backward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
+        if self.bw is None or gm.code != self._bw_code:
+            raise UnreadableCodeError("AOTAutograd asks to compile a backward other than the plan's, "
+                                      "whose compiled peak was checked")
+        return self.bw
+
+
+def _backward_inputs(bw: fx.GraphModule, fw: InductorGraph, num_fwd_outputs: int) -> list:
+    """The backward's example inputs: its placeholders' values, each saved one with the strides
+    Inductor's forward gives it (as AOTAutograd re-strides them)."""
+    vals = [p.meta.get("val") for p in bw.graph.find_nodes(op="placeholder")]
+    strides = getattr(fw.fn, "output_strides", None)
+    if strides is None:
+        return vals
+    saved_strides = list(strides)[num_fwd_outputs:]
+    for i, stride in enumerate(saved_strides[:len(vals)]):
+        v = vals[i]
+        if not isinstance(v, torch.Tensor) or stride is None:
+            continue
+        stride = tuple(int(x) for x in stride)  # Inductor records them as printed expressions
+        if tuple(v.stride()) != stride:
+            vals[i] = v.as_strided(v.size(), stride)
+    return vals

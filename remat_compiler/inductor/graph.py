@@ -1,0 +1,57 @@
+"""One graph Inductor compiled, and the two ways the backend refuses code: what every other part of
+:mod:`remat_compiler.inductor` reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from remat_compiler.emitted import EmittedPeak
+
+__all__ = ["InductorGraph", "UnreadableCodeError", "CompiledOverBudget"]
+
+
+class UnreadableCodeError(RuntimeError):
+    """The walk met a line of Inductor's generated wrapper it does not understand."""
+
+
+class CompiledOverBudget(RuntimeError):
+    """Inductor's code for a plan peaks above the budget (raised before any of it runs)."""
+
+    def __init__(self, peak: EmittedPeak, limit_bytes: int, plan_peak_bytes: int):
+        node, live = peak.first_above(limit_bytes)
+        super().__init__(f"Inductor's code for the plan peaks at {peak.peak_bytes} bytes ({peak.peak_node}), "
+                         f"above the budget of {limit_bytes} bytes (first at {node}, {live} bytes live); "
+                         f"the plan's own prediction was {plan_peak_bytes} bytes")
+        self.peak = peak
+        self.limit_bytes = limit_bytes
+        self.plan_peak_bytes = plan_peak_bytes
+
+
+@dataclass
+class InductorGraph:
+    """One graph compiled by Inductor.
+
+    Attributes
+    ----------
+    fn : callable
+        What Inductor returned (boxed: called with a list of inputs it clears).
+    source : str
+        The generated wrapper module's source.
+    buffer_bytes : dict[str, int]
+        Storage bytes of each buffer Inductor lowered, by its name in ``source`` (0 for a
+        multi-output kernel's tuple).
+    """
+
+    fn: Callable
+    source: str
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
+    check: Any = None  # a FirstStepCheck (.first_step) measuring this graph's first run (then cleared)
+
+    def __call__(self, *args):
+        if self.check is not None:
+            return self.check.run(self, args)
+        return self.fn(*args)
+
+    @property
+    def _boxed_call(self) -> bool:
+        return getattr(self.fn, "_boxed_call", False)
