@@ -15,7 +15,7 @@ import torch
 
 import remat_compiler as rc
 from remat_compiler.cli import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, main
-from remat_compiler.console import Console
+from remat_compiler.cli.console import Console
 from remat_compiler.fit import fit_size
 from remat_compiler.solvers import no_recompute
 from remat_compiler.solvers.cpsat import min_feasible_peak
