@@ -8,7 +8,8 @@ from ortools.sat.python import cp_model
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import SimResult, bw_time, no_recompute
 
-__all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need"]
+__all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need",
+           "add_value_life", "add_value_intervals"]
 
 
 def alloc_index(cg: CostGraph, v: str) -> int:
@@ -128,6 +129,34 @@ def add_first_need(m: cp_model.CpModel, cg: CostGraph, M: list[str], r: dict, di
     return xs, getitem_parent
 
 
+def add_value_life(m: cp_model.CpModel, cg: CostGraph, v: str, r: dict, st: dict, F: int, readers, in_m, *,
+                   last_bounds: tuple[int, int], rc_bounds: tuple[int, int], more_last=()) -> tuple:
+    """When a candidate ``v``'s life in backward ends and when its recomputation starts: ``last``, at
+    least every recomputed reader's time (``readers``: nodes reading v's storage, those in ``in_m``)
+    and each ``(step, literal)`` of ``more_last`` under its literal; ``rc_start``, the time of
+    ``v``'s recomputation at step ``st[v]``, with ``last >= rc_start`` when it is recomputed
+    (``r[v]``). The full and choice models' intervals (:func:`add_value_intervals`) and the block
+    models' windowed ones (:mod:`.blockbound`) are built on it.
+
+    Returns
+    -------
+    tuple
+        ``(last, rc_start)``, integer variables within ``last_bounds`` and ``rc_bounds``.
+    """
+    last = m.new_int_var(*last_bounds, f"last_{v}")
+    for k, when in more_last:
+        m.add(last >= bw_time(F, k)).only_enforce_if(when)
+    idx = cg.fw_index
+    for u in readers:
+        if u in in_m and u != v:
+            m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
+    at = alloc_index(cg, v)
+    rc_start = m.new_int_var(*rc_bounds, f"rcs_{v}")
+    m.add(rc_start == bw_time(F, st[v], at))
+    m.add(last >= rc_start).only_enforce_if(r[v])
+    return last, rc_start
+
+
 def add_value_intervals(m: cp_model.CpModel, cg: CostGraph, v: str, size: int, s: dict, r: dict, st: dict,
                         F: int, B: int, fw_end: int, bw_read: int, readers, in_m, more_last=()) -> tuple:
     """The live intervals of a candidate ``v`` that backward may need (see :mod:`.model`): saved,
@@ -143,17 +172,10 @@ def add_value_intervals(m: cp_model.CpModel, cg: CostGraph, v: str, size: int, s
         the variables ``last``, ``sv_*`` and ``rc_*`` (for hints).
     """
     t_end = bw_time(F, B - 1)
-    idx = cg.fw_index
-    last = m.new_int_var(bw_time(F, bw_read) if bw_read >= 0 else F, t_end, f"last_{v}")
-    for k, when in more_last:
-        m.add(last >= bw_time(F, k)).only_enforce_if(when)
-    for u in readers:
-        if u in in_m and u != v:
-            m.add(last >= bw_time(F, st[u], idx[u])).only_enforce_if(r[u])
     at = alloc_index(cg, v)
-    rc_start = m.new_int_var(bw_time(F, 0, at), bw_time(F, B - 1, at), f"rcs_{v}")
-    m.add(rc_start == bw_time(F, st[v], at))
-    m.add(last >= rc_start).only_enforce_if(r[v])
+    last, rc_start = add_value_life(m, cg, v, r, st, F, readers, in_m,
+                                    last_bounds=(bw_time(F, bw_read) if bw_read >= 0 else F, t_end),
+                                    rc_bounds=(bw_time(F, 0, at), bw_time(F, B - 1, at)), more_last=more_last)
     sv_start = fw_end + 1  # saved: [fw_end + 1, last]
     sv_size = m.new_int_var(0, t_end + 1, f"svsz_{v}")
     m.add(sv_size == last - sv_start + 1)

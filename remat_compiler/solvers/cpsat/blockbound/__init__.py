@@ -1,0 +1,161 @@
+"""Identical blocks, decomposed: a proven lower bound on the recompute cost, and the plan it picks.
+
+CP-SAT's bound on the full model is the LP relaxation of its linear part. On a stack of identical
+blocks the LP mixes fractions of per-block options freely, while a plan picks one option per
+block: on GPT-2 at 12 layers and the checkpoint-every-block budget the LP stays about 6% below the
+best plans, however long CP-SAT searches. This module bounds the same model (:mod:`.cpsat`'s plans:
+each value recomputed at most once, at the first backward step that needs it) with whole options.
+
+Notation. Blocks ``0..L-1`` in forward order; backward runs their *windows* from ``L-1`` down to
+``0`` (window ``m`` starts at time ``t0_m``). A block's values are read by backward in its own window
+and, its *boundary* (the block's output, the next block's input), before it. ``tau_{j+1}`` is the
+first backward read of block ``j``'s values (late in window ``j + 1``; for the last block, in the
+head's window). A *block plan* is a plan of one block alone, everything outside it available; the
+*block plan of a plan* has the plan's decisions on the block's values, its recomputations taken at
+the first step that needs them within the block. ``L_j(t)`` is block ``j``'s storage live at ``t``.
+
+For a plan of the model and block ``j``, with ``P`` its block plan:
+
+1. *Cost.* ``P`` recomputes what the plan recomputes in the block.
+2. *Window.* From ``t0_j`` on no other block needs block ``j``'s values, so ``P`` recomputes them
+   at the same steps and frees them at the same times as the plan: the peak ``W`` of fixed memory
+   (what no plan changes: gradients, tangents) plus the block's live values over window ``j`` (up to
+   ``tau_j``) is the plan's.
+3. *Held bytes.* At every time before ``tau_{j+1}``, ``|L_j(t)| >= H = min(F, D)``: ``F``, the bytes
+   ``P`` saves, while nothing of the block has been recomputed (saved values stay live until their
+   last read, which comes later); ``D``, once the boundary's recomputation has run (a recomputed
+   boundary pulls the block's values it needs into an earlier window: the *cascade*), the saved
+   values read at or after ``t0_j``, the boundary itself until its read, and the values recomputed
+   with it that are read at or after ``t0_j``. Within the step of that recomputation the bound is
+   taken at the step's start, where nothing of it has run yet (the active block's memory is the
+   same there).
+
+So ``W_m + off_m + sum_{j<m} H_j <= budget`` for every window ``m`` (``off_m``: how much more fixed
+memory window ``m`` has than the reference window, at its least), likewise during each block's
+forward and in the head's window before ``tau_head``; and the plan's cost in the blocks is the sum
+of its block plans' costs. The least sum over one block plan per block under these constraints
+bounds every plan's cost from below (what lies outside the blocks counts as free, except the memory
+every plan has: a value outside the blocks while the forward still reads it and between its first
+and last backward read).
+
+Blocks being identical (same ops, the same reads at the same steps relative to their window), one
+block's plans serve all. Its *menu* is the staircase of (H, W, cost): H is cut into bands at
+multiples of the block's value sizes; a band is stood for by one optimistic point (its least H,
+the least W of any plan, its least cost) until a dynamic programme over the blocks (state: the
+summed H) picks it, then replaced by the staircase of cost over W of its plans, each labelled with
+the band's least H, itself solved band by band of W with stand-ins between, made exact where the
+programme picks them; the programme runs again until it picks no stand-in. Every point comes
+from a CP-SAT solve proven optimal, so each block plan is dominated by a point of the menu (no
+larger H, W or cost), and the least total is a valid bound. The programme's choice is also a plan:
+its block plans composed, everything outside the blocks saved; when it fits (the caller lets CP-SAT
+adjust what lies outside the blocks) its cost meets the bound, up to what lies outside.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import CostGraph, representative_block
+from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
+from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame
+from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
+from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint
+
+__all__ = ["BlockBound", "block_bound"]
+
+
+@dataclass
+class BlockBound:
+    """A lower bound on the cost of every plan of the model that fits (``inf``: none fits), and a
+    choice of block plans composed into a saved set (everything outside the blocks saved; to be
+    simulated). With ``exact`` the choice is the bound's own (its blocks cost ``bound``); without,
+    the time ran out before the bound's choice was made of found plans, and ``saved`` is the best
+    choice of the plans found by then (its blocks cost more than ``bound``)."""
+
+    bound: float
+    saved: set[str] | None = None
+    exact: bool = True
+    block_candidates: set[str] = field(default_factory=set)
+    menu_size: int = 0
+    time_s: float = 0.0
+    solves: int = 0  # staircase solves of cost over W made for the menu so far (kept menus: all calls')
+
+
+def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline, menus: dict | None = None,
+                cost_key=None, min_blocks: int = 3, w_granule: int | None = None) -> BlockBound | None:
+    """A lower bound on the summed ``cost_of`` of every plan of the CP-SAT model that fits
+    ``budget_bytes``, and its choice composed into a saved set (see the module docstring).
+
+    The dynamic programme runs on the menu, whose bands stand in for their plans until chosen:
+    the chosen ones are refined and it runs again, until its choice is made of refined options
+    only (then it is the least total of the full menu). A band left unrefined when the time is up
+    still stands for its plans, so the bound stays valid, only weaker; the saved set is then the
+    best choice of the plans found so far (``exact`` False), if any fits.
+    None when the graph has fewer than ``min_blocks`` identical blocks, they differ in what the
+    decomposition uses, or the first staircases are not proven by the ``deadline``. The menu does
+    not depend on the budget: it is kept in ``menus`` (a :class:`~.memo.SolveMemo`'s), by graph,
+    ``cost_key`` (the objective) and the block's costs, when both are given. ``w_granule``: the
+    bytes of the menu's first bands of W (default :data:`W_GRANULES` of H's; 1: no bands, every
+    step of the staircases solved), which change the work, not the bound.
+    """
+    t_start = time.perf_counter()
+    lay = _Layout(cg)
+    if not lay.ok or lay.L < min_blocks:
+        return None
+    fixed = _fixed_intervals(cg, lay)
+    k = representative_block(lay.stack)
+    frame = _Frame(cg, lay, fixed, k)
+    # the fingerprint does not cover costs (a runtime estimate depends on the cost model): key on
+    # the reference block's costs too
+    key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]), w_granule)
+    keep = menus is not None and cost_key is not None
+    menu = menus.get(key) if keep else None
+    if menu is None:
+        cands = set(cg.candidates)
+        sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in cands]
+        menu = _Menu(_BlockModel(cg, lay, k, cost_of, fixed),
+                     _BlockModel(cg, lay, k, cost_of, fixed, memory=False), sizes, deadline, w_granule)
+        if not menu.ok:
+            return None
+        if keep:
+            menus[key] = menu
+    while True:
+        options, stand = menu.options()
+        found = _compose(options, frame, budget_bytes)
+        if found is None:  # not even the stand-ins fit: no plan does
+            return BlockBound(bound=math.inf, time_s=time.perf_counter() - t_start)
+        cost, choice = found
+        todo = {stand[i] for i in choice if stand[i] is not None}
+        if not todo:
+            break
+        # the next choice often moves to a neighbouring band: refine those along (both cores busy)
+        todo |= {b + d for b in todo if not isinstance(b, tuple) for d in (-1, 1)
+                 if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
+        if not menu.refine(todo, deadline):
+            # the time is up: the bound stands (an unrefined band still stands for its plans), and the
+            # best choice of the plans found so far is still a plan (on GPT-2 under the runtime
+            # objective at 25 s the bound's own choice missed the deadline, and with it the plan)
+            options, _ = menu.options()
+            plans = [o for o in options if o.saved is not None]
+            found = _compose(plans, frame, budget_bytes)
+            return BlockBound(bound=cost, saved=None if found is None else _composed(cg, lay, plans, found[1]),
+                              block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
+                              time_s=time.perf_counter() - t_start, solves=menu.solves)
+    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice),
+                      block_candidates=_block_candidates(cg, lay), menu_size=len(options),
+                      time_s=time.perf_counter() - t_start, solves=menu.solves)
+
+
+def _block_candidates(cg: CostGraph, lay: _Layout) -> set[str]:
+    return {v for ns in lay.nodes for v in ns} & set(cg.candidates)
+
+
+def _composed(cg: CostGraph, lay: _Layout, options: list[_MenuPoint], choice: list[int]) -> set[str]:
+    """The saved set of ``choice`` (an option per block), everything outside the blocks saved."""
+    saved = set(cg.candidates) - _block_candidates(cg, lay)
+    for m, i in enumerate(choice):
+        saved |= {lay.nodes[m][p] for p in options[i].saved}
+    return saved
