@@ -37,7 +37,8 @@ import math
 import torch
 from torch.utils.flop_counter import bmm_flop, register_flop_formula
 
-from ._dist import Route, experts_to_rows, expert_to_token, group_world_size, rows_to_experts, token_to_expert
+from ._dist import expert_to_token, group_world_size, token_to_expert
+from ._uneven import Route, experts_to_rows, rows_to_experts
 
 __all__ = ["FusedCombine", "fused_combine", "weighted_unpermute", "assignment_of_rows", "rowdot",
            "combine_dgrad"]
