@@ -9,8 +9,6 @@ module that ran it.
 from __future__ import annotations
 
 import contextlib
-import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,6 +21,9 @@ from torch.func import functional_call
 
 from remat_compiler.passes import keys
 from remat_compiler.errors import UntraceableModelError
+from remat_compiler.trace.device import (META_PLANS_FOR, DeviceTraceWarning, tensors_for_planning, trace_device,
+                                         warn_cpu_only_ops, without_data)
+from remat_compiler.trace.failures import describe_trace_failure, is_tracing_failure
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
            "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
@@ -203,119 +204,6 @@ def flatten_step(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
     return step, [leaves[i] for i in positions]
 
 
-#: The device a model on the meta device is traced and planned for (see :func:`tensors_for_planning`).
-META_PLANS_FOR = torch.device("cpu")
-
-
-def without_data(t) -> bool:
-    """Whether ``t`` is a tensor with shape and dtype but no data: on the meta device, or fake."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
-
-
-class DeviceTraceWarning(UserWarning):
-    """A plan for CUDA was traced on the CPU and its graph has CPU-only kernels: it will not apply
-    to the graph the GPU traces (see :func:`trace_device`)."""
-
-
-def trace_device(device) -> tuple[torch.device, str | None]:
-    """Where a model on the meta device planned for ``device`` is traced, and the device type it is
-    planned for when that differs (else None).
-
-    PyTorch traces a training step on fake CUDA tensors only where it is built with CUDA (no GPU
-    needed for the trace itself). On a CPU-only build (2.13 checked) a forward on fake CUDA tensors
-    runs (fake kernels do not touch the device; ``torch.cuda.is_available()`` is False; sdpa's
-    backend choice, ``_fused_sdp_choice``, has no CUDA kernel, so fake mode falls back to the math
-    decomposition, which is not what a GPU runs either), but autograd records each tensor's stream
-    and a CPU-only build has no CUDA device guard: autograd over a fake CUDA tensor that requires
-    grad aborts the process (``PyTorch is not linked with support for cuda devices``, thrown where
-    Python cannot catch it), so no joint graph can be captured. There the trace runs on the CPU and the graph
-    is marked as planned for CUDA (``remat.device = "cuda"``, ``remat.traced_on = "cpu"``): its bytes
-    are counted as CUDA's caching allocator charges them and the CPU kernels' scalar quirks are not
-    calibrated, so the plan is the one the same graph gets on the GPU. The graph is CUDA's wherever
-    the aten ops do not depend on the device, which holds for matmuls, norms, pointwise ops, losses,
-    embeddings and dropout (``native_dropout`` on both). It does not hold where the dispatcher
-    picks a kernel per device: ``scaled_dot_product_attention`` runs
-    ``_scaled_dot_product_flash_attention_for_cpu`` (or the math path) here and CUDA's flash,
-    memory-efficient or cuDNN kernel there (chosen from the GPU's architecture, dtype and mask, with
-    its own outputs and Philox seed/offset for dropout). Such a graph is reported with a
-    :class:`DeviceTraceWarning`; on the GPU its plan is refused with PlanMismatchError (a different
-    fingerprint), so plan it on the GPU machine, or build the model with eager attention
-    (``attn_implementation="eager"``), whose graph is the same on both.
-    """
-    device = torch.device(device if device is not None else META_PLANS_FOR)
-    if device.type == "cuda" and not torch.backends.cuda.is_built():
-        return torch.device("cpu"), "cuda"
-    return device, None
-
-
-#: Substrings of aten op names that only the CPU dispatches to (CUDA picks its own kernel there).
-_CPU_ONLY_OPS = ("_for_cpu", "mkldnn", "_cpu_")
-
-
-def _warn_cpu_only_ops(joint: fx.GraphModule, plans_for: str) -> None:
-    ops = sorted({str(n.target) for n in joint.graph.nodes if n.op == "call_function"
-                  and any(m in str(n.target) for m in _CPU_ONLY_OPS)})
-    if ops:
-        warnings.warn(
-            f"this plan for {plans_for} was traced on the CPU (this PyTorch is built without CUDA), and its "
-            f"graph calls {', '.join(ops)}, which {plans_for} replaces by its own kernels: the GPU will "
-            f"trace a different graph and refuse the plan. Plan on the GPU machine, or build the model "
-            f"with eager attention (attn_implementation='eager')", DeviceTraceWarning, stacklevel=4)
-
-
-def tensors_for_planning(tensors: list, device=None) -> list:
-    """The tensors a trace runs on: unchanged if all hold data; otherwise FakeTensors of one mode.
-
-    Planning needs shapes, dtypes and the graph, not values, so parameters, buffers and inputs may
-    be on the meta device or FakeTensors. A meta tensor has no device to plan for, and tracing on
-    meta gives a graph that differs from the real one where the model makes tensors itself
-    (``torch.tensor(..., device="meta")`` bypasses fake mode, so HuggingFace's ``DynamicCache``
-    concatenates a real meta tensor with a fake one and the trace fails). So each meta tensor
-    becomes a FakeTensor on ``device`` (default :data:`META_PLANS_FOR`, the CPU) that wraps it: views of one meta storage stay views of one fake storage, so the storage structure
-    (:mod:`remat_compiler.passes.storage`) is the one real CPU tensors give, and the graph, its fingerprint, its
-    costs (:func:`remat_compiler.passes.calibrate_scalar_storage` runs the CPU kernels on zeros, as for a CPU
-    model) and the plan are those of the same model with real CPU weights. Real tensors become
-    fakes of the same mode (one trace cannot mix modes), and FakeTensors the caller made are kept
-    with their own mode and device (a fake CUDA model plans for CUDA). For another ``device`` than
-    the CPU, real CPU tensors (example inputs) become FakeTensors on ``device`` too.
-
-    Raises
-    ------
-    ValueError
-        If the FakeTensors come from more than one FakeTensorMode, or are CUDA FakeTensors on a
-        build of PyTorch without CUDA.
-    """
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    if not any(without_data(t) for t in tensors):
-        return tensors
-    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
-    if len(modes) > 1:
-        raise ValueError("the model's tensors and the inputs are FakeTensors of different FakeTensorModes: "
-                         "make them under one mode (or on the meta device)")
-    if not torch.backends.cuda.is_built() and any(isinstance(t, FakeTensor) and t.device.type == "cuda"
-                                                  for t in tensors):
-        raise ValueError("FakeTensors on cuda cannot be traced by this PyTorch, which is built without CUDA "
-                         "(autograd aborts the process on them): build the model on the meta device and "
-                         "plan with device='cuda' (or a GPU preset: cost_model=CostModel.preset('h100')), "
-                         "which traces on the CPU and plans for CUDA")
-    mode = next(iter(modes.values())) if modes else FakeTensorMode()
-    device = torch.device(device if device is not None else META_PLANS_FOR)
-    out = []
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
-            out.append(t)
-            continue
-        if t.device.type == "meta" or (t.device.type == "cpu" and device.type != "cpu"):
-            fake = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach().to("meta"), device)
-        else:
-            fake = mode.from_tensor(t.detach(), static_shapes=True)
-        out.append(fake.requires_grad_(t.requires_grad) if t.requires_grad else fake)
-    return out
-
-
 def signature_of_leaves(leaves: list, spec: pytree.TreeSpec) -> tuple:
     """A hashable key of a call, flattened (``pytree.tree_flatten((tuple(args), kwargs))``): each
     tensor's shape, dtype, device and requires_grad; other leaves as is."""
@@ -415,9 +303,9 @@ def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
     except UntraceableModelError:
         raise
     except Exception as exc:  # re-raised with the failing op and user line named; never swallowed
-        if _is_tracing_failure(exc):
+        if is_tracing_failure(exc):
             failed = annotator.running[-1] if annotator.running else None
-            raise UntraceableModelError(_describe_trace_failure(exc, failed)) from exc
+            raise UntraceableModelError(describe_trace_failure(exc, failed)) from exc
         raise
     finally:
         annotator.remove()
@@ -433,71 +321,6 @@ def _compiling():
         yield
     finally:
         torch.compiler._is_compiling_flag = old
-
-
-def _is_tracing_failure(exc: Exception) -> bool:
-    names = {type(e).__name__ for e in _exception_chain(exc)}
-    markers = ("DataDependent", "GuardOnDataDependent", "Unsupported", "UnsupportedOperator",
-               "DynamicOutputShape", "TraceError")
-    text = " ".join(str(e) for e in _exception_chain(exc))
-    return any(m in n for n in names for m in markers) or "data-dependent" in text.lower() \
-        or "data dependent" in text.lower() or "_local_scalar_dense" in text or "nonzero" in text
-
-
-def _exception_chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _module_hint(failed: tuple[str, torch.nn.Module] | None) -> tuple[str, str | None]:
-    """(where: the module whose forward failed, why it has no static-shape graph and what to do
-    instead, where that is known)."""
-    if failed is None:
-        return "", None
-    path, module = failed
-    where = f" in module {path or '(the model)'!r} ({type(module).__name__})"
-    config = getattr(module, "config", None)
-    if getattr(config, "_experts_implementation", None) == "eager" and hasattr(module, "_apply_gate"):
-        # transformers' use_experts_implementation: "eager" is the original per-expert Python loop
-        return where, ("transformers' experts_implementation='eager' loops in Python over the experts "
-                       "that received tokens (nonzero of the routing mask, then torch.where for each "
-                       "expert's tokens), so how many expert GEMMs run and how many rows each has depend "
-                       "on the routing values: no static-shape graph exists. Build the model with "
-                       "experts_implementation='grouped_mm' (transformers' default; or call "
-                       "model.set_experts_implementation('grouped_mm')), whose grouped GEMMs over all "
-                       "tokens x top-k routed rows have static shapes.")
-    return where, None
-
-
-def _describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None) -> str:
-    op = None
-    for e in _exception_chain(exc):
-        for token in str(e).replace("(", " ").replace(")", " ").replace(",", " ").split():
-            if token.startswith("aten.") or token.startswith("torch.ops."):
-                op = token.rstrip(".:")
-                break
-        if op:
-            break
-    user_frame = None
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/remat_compiler/" not in path and "/functorch/" not in path:
-            user_frame = frame
-            break
-    where = (f" at {user_frame.filename}:{user_frame.lineno} ({user_frame.line!s})"
-             if user_frame else "")
-    what = f"op {op}" if op else f"{type(exc).__name__}"
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    in_module, why = _module_hint(failed)
-    if why is not None:
-        return (f"could not trace the model's training step: {what}{where}{in_module} has a "
-                f"data-dependent shape or value ({first_line}): {why}")
-    return (f"could not trace the model's training step: {what}{where}{in_module} has a data-dependent "
-            f"shape or value ({first_line}). Make that part static (fixed shapes, no .item()/.nonzero() on "
-            f"activations, no Python branching on tensor values) or run it outside the compiled module.")
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, hold_outputs: bool = True,
@@ -558,7 +381,7 @@ def trace_step(step: StepFunction, model: torch.nn.Module, flat: list, *, device
         run_traced(fn, model, tensors_for_planning(flat, trace_as))
     except _JointCaptured as captured:
         if step.plans_for is not None:
-            _warn_cpu_only_ops(captured.joint, step.plans_for)
+            warn_cpu_only_ops(captured.joint, step.plans_for)
         return TracedStep(joint=captured.joint, num_fwd_outputs=captured.num_fwd_outputs, step=step)
     raise UntraceableModelError(
         "the model's forward produced no output that requires grad, so there is no backward to plan: "
