@@ -205,7 +205,7 @@ def test_an_inductor_plan_keeps_its_saved_values_gradients_and_budget():
     assert all(torch.allclose(got[n], expected[n], rtol=1e-5, atol=1e-6) for n in expected)
     assert m.plan.recomputed, "the budget must make the plan recompute something"
     # the compiled backward takes exactly the values the plan saves (and the tangent), by name
-    bw_names = [n.strip() for n in [s for s in inductor._call_body(m.planned.inductor[1].source)
+    bw_names = [n.strip() for n in [s for s in inductor.call_body(m.planned.inductor[1].source)
                                      if s.endswith("= args")][0][:-len("= args")].split(",") if n.strip()]
     assert bw_names == [p.name for p in m.planned.bw.graph.find_nodes(op="placeholder")]
     assert {n for n in bw_names if not n.startswith(("primals", "tangents"))} == set(m.plan.saved)

@@ -39,12 +39,12 @@ from remat_compiler.emitted import EmittedPeak
 from remat_compiler.inductor.compile import InductorCompilers, StepFacts, compile_graph
 from remat_compiler.inductor.first_step import FirstStepCheck, watch
 from remat_compiler.inductor.graph import CompiledOverBudget, InductorGraph, UnreadableCodeError
-from remat_compiler.inductor.walk import Storages, compiled_peak, walk_graph
+from remat_compiler.inductor.walk import Storages, call_body, compiled_peak, walk_graph
 from remat_compiler.passes.shared_values import store_shared_values
 
 __all__ = ["DECOMPOSITIONS", "InductorGraph", "InductorCompilers", "StepFacts", "CompiledOverBudget",
            "FirstStepCheck", "UnreadableCodeError", "compile_graph", "compiled_peak", "store_shared_values", "watch",
-           "Storages", "walk_graph", "EmittedPeak"]
+           "Storages", "walk_graph", "call_body", "EmittedPeak"]
 
 
 def _decompositions() -> dict:

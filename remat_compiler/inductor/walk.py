@@ -12,7 +12,7 @@ from remat_compiler.inductor.graph import InductorGraph, UnreadableCodeError
 from remat_compiler.passes.allocator import allocator_named
 from remat_compiler.passes.storage import strided_span_bytes
 
-__all__ = ["Storages", "walk_graph", "compiled_peak"]
+__all__ = ["Storages", "walk_graph", "compiled_peak", "call_body"]
 
 
 _NAME = r"[A-Za-z_]\w*"
@@ -23,7 +23,7 @@ _ITEM = re.compile(rf"^({_NAME})\[(\d+)\]$")
 _UNPACK = re.compile(rf"^((?:{_NAME}, )*{_NAME},?) = args$")
 
 
-def _call_body(source: str) -> list[str]:
+def call_body(source: str) -> list[str]:
     """The statements of the wrapper's ``call``, one per item (``a; del b`` split), comments dropped."""
     lines = source.splitlines()
     start = next((i for i, line in enumerate(lines) if re.match(r"^\s*def call\((self, )?args\):", line)), None)
@@ -106,7 +106,7 @@ def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | 
     (each holding one reference for it). Returns the storages of what it returns, one reference each."""
     frame: dict[str, int | None] = {}
     multi: set[str] = set()
-    statements = list(_call_body(graph.source))
+    statements = list(call_body(graph.source))
     # a fallback kernel allocates all its outputs while its inputs are alive, and the code names them
     # afterwards (``buf1 = buf0[i]``, or ``buf1 = buf0`` for its only one), often after ``del``s of
     # those inputs: the outputs are counted at the call (``pending``), and handed to their names later
