@@ -25,7 +25,8 @@ Then all are stepped round-robin, every other round in reverse order (gradients 
 step, the loss alone held); each row gives the median step and the median over rounds of its step
 over the peer's in the same round. The variants are made by swapping one step of the backend
 (:mod:`remat_compiler.module`'s ``annotate_joint``, :mod:`remat_compiler.inductor.backend`'s ``fusing``,
-:mod:`remat_compiler.inductor.compile`'s ``store_shared_values``), or the pass list, during the runner's first call, so this is a
+:mod:`remat_compiler.inductor.compile`'s ``store_shared_values``), or the pass list, during the runner's
+first call, so this is a
 probe of the pipeline, not an option of it. Peaks are the walk of Inductor's code (= the backend's
 first-step measure), not resident sets: see :mod:`benchmarks.inductor_peers` for those.
 """

@@ -32,8 +32,8 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from remat_compiler.passes.c10d import is_c10d, is_collective
-from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON, RECOMPUTE_UNREAD,
-                         RUNTIME_S, STORAGE)
+from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_INPUT, NEVER_RECOMPUTE, REASON,
+                                        RECOMPUTE_UNREAD, RUNTIME_S, STORAGE)
 from remat_compiler.passes.rng import is_rng_state
 
 __all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread"]

@@ -7,7 +7,8 @@ prefix ``remat.``. Three slots hold them:
   :func:`remat_compiler.trace.annotate_joint` writes on placeholders);
 - ``gm.meta[KEY]``: graph-level facts about the joint graph (``remat.hold_outputs`` from the trace);
 - ``node.meta["custom"][KEY]``: what :func:`remat_compiler.trace.trace` records while the model runs
-  (fx's ``preserve_node_meta`` custom slot), read by :mod:`remat_compiler.passes.blocks` and :mod:`remat_compiler.passes.moe`.
+  (fx's ``preserve_node_meta`` custom slot), read by :mod:`remat_compiler.passes.blocks` and
+  :mod:`remat_compiler.passes.moe`.
 
 >>> from passes import keys
 >>> phase = node.meta[keys.PHASE]                                # doctest: +SKIP

@@ -211,7 +211,8 @@ def tag_moe_segments(gm: fx.GraphModule) -> fx.GraphModule:
     ----------
     gm : fx.GraphModule
         A joint graph annotated by :func:`remat_compiler.passes.phases.annotate_phases` and
-        :func:`remat_compiler.passes.storage.annotate_storage` (``remat.phase``, ``remat.storage``), whose nodes carry the module paths recorded by :func:`remat_compiler.trace.trace`.
+        :func:`remat_compiler.passes.storage.annotate_storage` (``remat.phase``, ``remat.storage``), whose nodes
+        carry the module paths recorded by :func:`remat_compiler.trace.trace`.
 
     Returns
     -------

@@ -153,8 +153,8 @@ def choose_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable
 
     Under torch.distributed rank 0 alone traces both combines and solves; it broadcasts what it
     chose (the combines, or a cached plan, or that the model is planned as it is), so every rank
-    traces the same combines and then runs rank 0's plan (:func:`~remat_compiler.pipeline.decide`). An error on rank 0 is
-    raised on every rank.
+    traces the same combines and then runs rank 0's plan (:func:`~remat_compiler.pipeline.decide`). An
+    error on rank 0 is raised on every rank.
 
     Raises
     ------
@@ -233,8 +233,8 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
                               deadline=deadline)
     except InfeasibleBudgetError:  # none found without reruns: plan the model as it is, in the time left
         why = {seg: f"no choice: {why_not[seg]}" if why_not.get(seg) else _NONE_FOUND for seg in segments}
-        return (dataclasses.replace(spec, options={**spec.options, "deadline": deadline}, combines=CombineChoice(why=why)),
-                ("as is",))
+        as_is = CombineChoice(why=why)
+        return dataclasses.replace(spec, options={**spec.options, "deadline": deadline}, combines=as_is), ("as is",)
     flipped, flipped_s = {}, {}
     compare = Deadline(max(COMPARE_MIN_S, COMPARE_SHARE * spec.options.get("time_limit_s", 30.0)))
     for seg, mode in choice.modes.items():  # for explain(): the same saved set, this segment switched

@@ -211,7 +211,8 @@ class CompiledModule(torch.nn.Module):
         # backend never needs
         from remat_compiler.inductor.backend import first_call
 
-        return first_call(entry, self._spec, self._orig_mod, inputs, partition=lambda spec: self._partition(entry, spec),
+        return first_call(entry, self._spec, self._orig_mod, inputs,
+                          partition=lambda spec: self._partition(entry, spec),
                           eager=lambda: self._trace_and_run_eager(entry, inputs))
 
     def _trace_and_run_eager(self, entry: _Entry, inputs: list[torch.Tensor]):

@@ -53,6 +53,7 @@ def load_source(ctx: click.Context, console: Console, source: dict) -> Workload:
 
 
 def load_hf_config(path: str):
+    """The transformers config ``--hf-config`` names; one that does not load is a bad argument."""
     try:
         return load_config(path)
     except ConfigError as exc:
@@ -60,6 +61,7 @@ def load_hf_config(path: str):
 
 
 def check_seq_flag(config, seq: int, flag: str) -> None:
+    """Refuse a sequence length (given as ``flag``) the config cannot run, as a bad argument."""
     try:
         check_seq(config, seq)
     except ConfigError as exc:
@@ -67,6 +69,8 @@ def check_seq_flag(config, seq: int, flag: str) -> None:
 
 
 def build_hf_model(console: Console, path: str, config, dtype: str | None):
+    """The config's causal LM on the meta device, in ``dtype`` (default: the config's); a config that
+    builds no model is a bad argument."""
     with timed(console, f"build the model of {path} on the meta device"):
         try:
             return build_causal_lm(config, config_dtype(config, dtype))
@@ -75,6 +79,7 @@ def build_hf_model(console: Console, path: str, config, dtype: str | None):
 
 
 def note_model(console: Console, config, model, shape: str) -> None:
+    """Note on stderr what was built: the model's class, parameters, dtype and the step's tokens."""
     params = sum(p.numel() for p in model.parameters())
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     console.note(f"{type(model).__name__} from the {config.model_type} config: {params:,} parameters in "

@@ -40,6 +40,7 @@ def plan_workload(console: Console, workload: Workload, budget: str | None, solv
 
 
 def report_steps(console: Console, planned: PlannedGraph) -> None:
+    """With ``--verbose``: the graph's summary and how long each pipeline step took."""
     console.detail(f"graph {planned.cg.fingerprint}: {planned.cg.summary()}")
     for step, seconds in planned.timings.items():
         console.detail(f"{step}: {seconds:.2f} s")

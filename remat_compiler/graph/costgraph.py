@@ -227,7 +227,8 @@ class CostGraph:
 
     @property
     def allocator(self) -> str:
-        """The :mod:`remat_compiler.passes.allocator` model the bytes are counted in (``"exact"``, ``"cuda_caching"``)."""
+        """The :mod:`remat_compiler.passes.allocator` model the bytes are counted in (``"exact"``,
+        ``"cuda_caching"``)."""
         return self.g.graph.get("allocator", "exact")
 
     def preds(self, name: str) -> list[str]:

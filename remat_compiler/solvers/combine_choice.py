@@ -11,7 +11,8 @@ same forward ops and differ, in each segment, only in one contiguous piece of th
 gradient of the segment's output ``G`` to ``dL/da`` (the SwiGLU output's gradient), ``dL/dp`` (the
 probabilities') and ``dL/dW2``. An MoELayer's piece is the backward its GEMM2, combine and unpermute
 submodules recorded; an HF block's, all recorded by its ``experts`` module, is the backward of its
-GEMM2 and unpermute forward ops (:func:`in_piece`, ``remat_compiler.passes.moe``'s ``grad_of``). :func:`align_combines` takes the
+GEMM2 and unpermute forward ops (:func:`in_piece`, ``remat_compiler.passes.moe``'s ``grad_of``).
+:func:`align_combines` takes the
 graphs traced with every segment in each mode and checks exactly that: identical forward nodes (names,
 ops, shapes), and a backward that, outside the pieces, is the same sequence of ops in both, node for
 node. It returns the :class:`CombineUnion`: per segment, each piece's nodes, what it reads (the

@@ -5,6 +5,9 @@ backward into one joint graph, whose placeholders are ``primals_*`` (parameters,
 ``tangents_*`` (gradients of the outputs). Every node carries ``meta["val"]`` (a FakeTensor with shape,
 dtype and storage identity) and ``meta["custom"]["remat.trace_module"]``, the dotted path of the innermost
 module that ran it.
+
+Beside the capture: :mod:`.device` traces a model that holds no data (meta tensors, FakeTensors) for
+the device it is planned for, and :mod:`.failures` says why a trace failed and what to do instead.
 """
 from __future__ import annotations
 

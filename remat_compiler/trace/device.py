@@ -64,6 +64,8 @@ _CPU_ONLY_OPS = ("_for_cpu", "mkldnn", "_cpu_")
 
 
 def warn_cpu_only_ops(joint: fx.GraphModule, plans_for: str) -> None:
+    """Warn (:class:`DeviceTraceWarning`) where a graph traced on the CPU for ``plans_for`` calls kernels
+    only the CPU dispatches to: the GPU traces another graph there and refuses the plan."""
     ops = sorted({str(n.target) for n in joint.graph.nodes if n.op == "call_function"
                   and any(m in str(n.target) for m in _CPU_ONLY_OPS)})
     if ops:
@@ -82,7 +84,8 @@ def tensors_for_planning(tensors: list, device=None) -> list:
     meta gives a graph that differs from the real one where the model makes tensors itself
     (``torch.tensor(..., device="meta")`` bypasses fake mode, so HuggingFace's ``DynamicCache``
     concatenates a real meta tensor with a fake one and the trace fails). So each meta tensor
-    becomes a FakeTensor on ``device`` (default :data:`META_PLANS_FOR`, the CPU) that wraps it: views of one meta storage stay views of one fake storage, so the storage structure
+    becomes a FakeTensor on ``device`` (default :data:`META_PLANS_FOR`, the CPU) that wraps it: views of one
+    meta storage stay views of one fake storage, so the storage structure
     (:mod:`remat_compiler.passes.storage`) is the one real CPU tensors give, and the graph, its fingerprint, its
     costs (:func:`remat_compiler.passes.calibrate_scalar_storage` runs the CPU kernels on zeros, as for a CPU
     model) and the plan are those of the same model with real CPU weights. Real tensors become

@@ -11,6 +11,7 @@ __all__ = ["is_tracing_failure", "describe_trace_failure"]
 
 
 def is_tracing_failure(exc: Exception) -> bool:
+    """Whether ``exc`` (or an exception it chains) says the step has a data-dependent shape or value."""
     names = {type(e).__name__ for e in _exception_chain(exc)}
     markers = ("DataDependent", "GuardOnDataDependent", "Unsupported", "UnsupportedOperator",
                "DynamicOutputShape", "TraceError")
@@ -48,6 +49,8 @@ def _module_hint(failed: tuple[str, torch.nn.Module] | None) -> tuple[str, str |
 
 
 def describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None) -> str:
+    """One sentence on a failed trace: the op, the user's line, the module (``failed``: its path and
+    module, where known) and what to do instead."""
     op = None
     for e in _exception_chain(exc):
         for token in str(e).replace("(", " ").replace(")", " ").replace(",", " ").split():

@@ -41,7 +41,8 @@ from ortools.sat.python import cp_model
 from remat_compiler.clock import Deadline
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.solvers.combine_choice import CombineUnion
-from remat_compiler.solvers.cpsat.choice.model import Choice, ChoiceModel, build_choice_model, piece_comm_units, union_steps
+from remat_compiler.solvers.cpsat.choice.model import (Choice, ChoiceModel, build_choice_model, piece_comm_units,
+                                                       union_steps)
 from remat_compiler.solvers.cpsat.choice.reasons import reasons
 from remat_compiler.solvers.cpsat.choice.start import WarmStart, warm_choice
 from remat_compiler.schedule import build_schedule, no_recompute, save_all_set
