@@ -242,7 +242,7 @@ How every number is measured (the same code for every strategy, `benchmarks/meas
   on that objective (under `flops`, on counted FLOPs alone: the tie-break does not count), over plans
   that recompute each value once, from the largest of CP-SAT's bound, the LP relaxation of the model's
   linear part and, on 3 or more identical layers, the block decomposition's bound
-  (`remat_compiler/solvers/cpsat/blockbound.py`). Below the lowest peak of those plans,
+  (`remat_compiler/solvers/cpsat/blockbound/`). Below the lowest peak of those plans,
   the smallest feasible budget and the plan for it use reruns (a value recomputed again at a later
   backward step, found by local search: no proven gap).
 - **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every
@@ -266,7 +266,7 @@ def _scale_section(doc: dict) -> str:
         f"{doc['description']}. {doc['threads']} torch thread(s), torch {doc['torch']}, CP-SAT with "
         f"{doc['num_workers']} workers, objective {doc.get('objective', 'runtime')}; the step keeps only "
         f"the loss (hold_outputs=False). On graphs of 3 or more identical layers the block decomposition "
-        f"(`remat_compiler/solvers/cpsat/blockbound.py`) bounds the cost from below with whole per-block plans "
+        f"(`remat_compiler/solvers/cpsat/blockbound/`) bounds the cost from below with whole per-block plans "
         f"and composes the plan its bound picks; when that plan fits and meets the bound (up to a few "
         f"tie-break units outside the layers) no search follows, else it seeds CP-SAT. Each solve here "
         f"builds the block menu anew (cold: no memo; a sweep passes one SolveMemo that keeps them). The gap's bound is the "

@@ -275,7 +275,7 @@ def moe_combine_of(cg: CostGraph) -> dict[str, dict]:
         bytes of its GEMM2 output y (what the autograd combine keeps for d(probs) and the fused
         one never stores). A plan records it (``plan.extras["moe_combine"]``) so that applying the
         plan traces every segment with the combine it was made for
-        (:meth:`remat_compiler.api.PlanSpec.prepared`).
+        (:meth:`remat_compiler.pipeline.PlanSpec.prepared`).
     """
     found: dict[str, dict] = {}
     for n in cg.fw_order:

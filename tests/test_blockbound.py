@@ -1,4 +1,4 @@
-"""The block decomposition's bound and plan (solvers/cpsat/blockbound.py): below every plan that fits, at
+"""The block decomposition's bound and plan (solvers/cpsat/blockbound/): below every plan that fits, at
 every budget (brute force on a small stack of identical blocks). That it beats the LP relaxation on
 GPT-2 and proves the plan optimal there is a timing claim, checked by ``python -m benchmarks.bound_check``."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ A segment is an :class:`~remat_compiler.moe.MoELayer` or a transformers MoE bloc
 ``plan.extras["moe_combine"]`` records it. :func:`segment_combines` traces each with the combine a
 mapping names (MoELayer: ``combine_mode``; HF block: the fused down projection + combine swapped into
 its experts or not); :func:`why_not_choosable` says, per segment, whether the default solver can
-choose its combine in its solve (:func:`remat_compiler.api.chooses_combines`).
+choose its combine in its solve (:func:`remat_compiler.combines.chooses_combines`).
 
 Example
 -------

@@ -24,7 +24,7 @@ saves what backward reads there (as :func:`~remat_compiler.schedule.save_all_set
 ``moe_cpsat`` offers CP-SAT the fused custom backward everywhere; the default ``solver="cpsat"``
 chooses between the two combines per segment in its one solve where every MoELayer keeps
 ``combine="autograd"``, for MoELayers and for transformers MoE blocks whose experts can run the
-fused combine alike (:func:`remat_compiler.api.chooses_combines`,
+fused combine alike (:func:`remat_compiler.combines.chooses_combines`,
 :mod:`remat_compiler.solvers.cpsat.choice`), and otherwise plans the graph as the model is.
 
 Example

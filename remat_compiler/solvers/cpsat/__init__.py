@@ -96,7 +96,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         plan depends only on the arguments (and, without ``deterministic``, the time available).
     deadline : Deadline, optional
         The clock to run on, in place of a new one of ``time_limit_s``: a caller that spent part of
-        the time limit already (the combine choice, :func:`remat_compiler.api.choose_combines`)
+        the time limit already (the combine choice, :func:`remat_compiler.combines.choose_combines`)
         hands over what is left.
     solver_name : str
         The name the plan records (``"moe_cpsat"`` when that strategy calls this one).

@@ -137,7 +137,7 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     InfeasibleBudgetError
         If no choice of combines and saved set was found under the budget (none fits, or none was
         found in time). Its smallest feasible budget is not searched (it names the budget itself,
-        unproven): :func:`remat_compiler.api.choose_combines` then plans the model as it is, with
+        unproven): :func:`remat_compiler.combines.choose_combines` then plans the model as it is, with
         :func:`~remat_compiler.solvers.cpsat.solve_cpsat`'s reruns and lowest-peak search.
     RuntimeError
         If CP-SAT calls the model invalid (a bug here, never a budget that does not fit).
