@@ -101,8 +101,9 @@ def test_menu_steps_from_band_edge_to_band_edge_and_reads_the_full_staircases_va
     distinct H: at every band edge its least cost, and whether any plan has H that low, are the
     full staircase's (the values the menu reads), from no more solves."""
     from remat_compiler.graph import representative_block
-    from remat_compiler.solvers.cpsat.blockbound import (_BlockModel, _fixed_intervals, _Layout, _Menu,
-                                                         _staircase)
+    from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
+    from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
+    from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _staircase
 
     cg = _stack(d, h, batch)
     lay = _Layout(cg)
