@@ -732,6 +732,7 @@ class CompiledModule(torch.nn.Module):
         return self._call(entry, entry.step.state_from(*state) + flat, entry.gate)
 
     def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor], after: _Entry | None = None):
+        self._check_order()
         if any(without_data(t) for t in step.state_tensors() + flat):
             raise ValueError(
                 "a model or inputs on the meta device (or FakeTensors) hold no data, so the compiled "
@@ -773,6 +774,11 @@ class CompiledModule(torch.nn.Module):
             if not mapped:
                 entry.grad_deps = None  # the gate passes every gradient through
         return self._finish(entry, self._watch(record, out))
+
+    def _check_order(self) -> None:
+        """Refuse a compiled module that FSDP2 sharded afterwards (``fully_shard(compile(m))``)."""
+        from remat_compiler.fsdp.units import refuse_sharded_after
+        refuse_sharded_after(self)
 
     def _trace_and_run(self, entry: _Entry, inputs: list[torch.Tensor]):
         """Trace, plan and compile the step on its first call, and run its forward."""
@@ -1031,4 +1037,8 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: 'eager' runs the plan op by op "
                          f"(the default), 'inductor' compiles its forward and backward with Inductor")
     _check_wrapper(model)
+    from remat_compiler.fsdp import is_fsdp_model  # sharded with FSDP2: the step with its collectives
+    if is_fsdp_model(model):
+        from remat_compiler.fsdp import FSDPCompiledModule
+        return FSDPCompiledModule(model, spec, hold_outputs, backend)
     return CompiledModule(model, spec, hold_outputs, backend)
