@@ -314,3 +314,39 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+def print_table(out_dir: str) -> None:
+    """The figures behind tests/test_fsdp.py on 2 gloo ranks, one row per model and rank:
+    ``python tests/fsdp_worker.py`` (one spawn, about 100 s on 2 shared cores)."""
+    import dist_spawn
+
+    dist_spawn.spawn_ranks(run_rank, 2, out_dir, timeout_s=400)
+    ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    print("| model | rank | budget | predicted peak | measured peaks (steps 2..) | FSDP2 eager peak (step 2) "
+          "| max abs grad diff vs FSDP2 eager | units kept / re-gathered | re-gathered bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in ("chain", "chain_mp", "llama", "llama_mp", "mixed"):
+        for r, res in enumerate(ranks):
+            e, c, p = res[key]["eager"], res[key]["compiled"], res[key]["plan"]
+            diff = max((c["grads"][k].float() - e["grads"][k].float()).abs().max().item() for k in e["grads"])
+            kept = [u["unit"] for u in p["units"] if u["choice"] == "kept"]
+            again = [u["unit"] for u in p["units"] if u["choice"] == "re-gathered"]
+            print(f"| {key} | {r} | {p['budget']} | {p['predicted']} | {sorted(set(c['peaks'][1:]))} "
+                  f"| {e['peaks'][1]} | {diff:.2e} | {', '.join(kept) or '-'} / {', '.join(again) or '-'} "
+                  f"| {p['recompute_comm_bytes']} |")
+    mixed = ranks[0]["mixed"]
+    print(f"\nmixed model at {MIXED_FRACTION} of its no-recompute peak (budget {mixed['plan']['budget']} bytes), "
+          f"rank 0's graph: joint {mixed['joint']}")
+    print("\n".join(x for x in mixed["plan"]["explain"].splitlines() if x.startswith(("FSDP unit", "      "))))
+    for setting, fixed in mixed["fixed"].items():
+        print(f"  reshard_after_forward={setting} for every unit: {fixed}")
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        print_table(tmp)
