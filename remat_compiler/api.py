@@ -25,6 +25,8 @@ import torch.fx as fx
 from remat_compiler.clock import check_time_limit
 from remat_compiler.combines import (CHOICE_OPTIONS, COMPARE_MIN_S, COMPARE_SHARE, choose_combines, chooses_combines,
                                      explain_unchosen, resolve_combines)
+from remat_compiler.fsdp.module import FSDPCompiledModule
+from remat_compiler.fsdp.units import is_fsdp_model
 from remat_compiler.graph import CostGraph
 from remat_compiler.module import BACKENDS, CompiledModule, check_wrapper
 from remat_compiler.passes import CostModel
@@ -215,4 +217,6 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: 'eager' runs the plan op by op "
                          f"(the default), 'inductor' compiles its forward and backward with Inductor")
     check_wrapper(model)
+    if is_fsdp_model(model):  # sharded with FSDP2: the step with its collectives
+        return FSDPCompiledModule(model, spec, hold_outputs, backend)
     return CompiledModule(model, spec, hold_outputs, backend)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 __all__ = ["RematError", "InfeasibleBudgetError", "StrategyOverBudgetError", "StrategyNotApplicableError",
-           "UntraceableModelError", "PlanMismatchError", "PlanCheckError", "ExpertCapacityError"]
+           "UntraceableModelError", "PlanMismatchError", "PlanCheckError", "ExpertCapacityError",
+           "UnsupportedShardingError"]
 
 
 class RematError(Exception):
@@ -93,3 +94,10 @@ class ExpertCapacityError(RematError, ValueError):
 class PlanCheckError(RematError, AssertionError):
     """A plan disagrees with the liveness simulator, or the code emitted for it does not peak where
     it says (a solver, simulator or codegen bug, never a user error)."""
+
+
+class UnsupportedShardingError(RematError, ValueError):
+    """An FSDP2 model sharded in a way the compiled step does not reproduce (HSDP or a 2-D mesh,
+    parameters outside every ``fully_shard`` unit, units over different process groups, CPU
+    offload...), or compiled in the wrong order (``fully_shard(compile(m))``). The message names
+    what is unsupported and what to do (:mod:`remat_compiler.fsdp`)."""

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from remat_compiler.combines import resolve_combines
 from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.fsdp.units import refuse_sharded_after
 from remat_compiler.pipeline import PlannedGraph, PlanSpec, plan_joint
 from remat_compiler.plan import Plan
 from remat_compiler.runtime import ForwardWithSignature, GradGate, GradRecord, grad_deps
@@ -161,6 +162,7 @@ class CompiledModule(torch.nn.Module):
         return self._call(entry, entry.step.state_from(*state) + flat, entry.gate)
 
     def _first_call(self, key, step: StepFunction, flat: list[torch.Tensor], after: _Entry | None = None):
+        self._check_order()
         if any(without_data(t) for t in step.state_tensors() + flat):
             raise ValueError(
                 "a model or inputs on the meta device (or FakeTensors) hold no data, so the compiled "
@@ -202,6 +204,10 @@ class CompiledModule(torch.nn.Module):
             if not mapped:
                 entry.grad_deps = None  # the gate passes every gradient through
         return self._finish(entry, self._watch(record, out))
+
+    def _check_order(self) -> None:
+        """Refuse a compiled module that FSDP2 sharded afterwards (``fully_shard(compile(m))``)."""
+        refuse_sharded_after(self)
 
     def _trace_and_run(self, entry: _Entry, inputs: list[torch.Tensor]):
         """Trace, plan and compile the step on its first call, and run its forward."""

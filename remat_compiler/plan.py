@@ -157,6 +157,9 @@ class Plan:
             head.append(f"for Inductor      {len(fused)} pointwise values recomputed, not saved: their readers are "
                         f"all pointwise, so Inductor fuses them (remat_compiler.fusion)")
         head += _combine_lines(self.extras.get("moe_combine") or {})
+        if self.extras.get("fsdp_units"):
+            from remat_compiler.fsdp.choices import unit_lines
+            head += unit_lines(self.extras["fsdp_units"])
         if self.rerun:
             head.append(f"recomputed again  {len(self.rerun)} times: "
                         + ", ".join(f"{v} at backward step {j}" for v, j in self.rerun[:6])
