@@ -508,7 +508,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
                solver: str | Callable[..., Plan] | Strategy = "cpsat", cost_model: CostModel | None = None,
                hold_outputs: bool = True, policy: Policy | None = None, plan: Plan | str | None = None,
                plan_cache: PlanCache | str | os.PathLike | None = None, device=None,
-               stamp_layers: bool = True, **solver_options) -> PlannedGraph:
+               stamp_layers: bool = True, fsdp: int | None = None, **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
@@ -541,6 +541,11 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         of them and build the full joint graph from those (:mod:`remat_compiler.stamp`): the same
         graph, fingerprint and plan as a full trace, in a fraction of its time. False traces in
         full.
+    fsdp : int, optional
+        Plan rank 0 of an ``fsdp``-way FSDP2 step in this process: a copy of the model sharded as
+        torchtitan shards it (every block of its repeated layers, then the root) over torch's fake
+        process group, its whole step planned with each unit's keep-or-re-gather choice
+        (:func:`remat_compiler.fsdp.planning.plan_sharded`; traced in full).
 
     Returns
     -------
@@ -550,6 +555,11 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     ------
     ValueError, InfeasibleBudgetError, UntraceableModelError, PlanMismatchError
     """
+    if fsdp is not None:  # one rank of an N-way FSDP2 step, over a fake process group
+        from remat_compiler.fsdp.planning import plan_sharded
+        return plan_sharded(model, args, kwargs, memory_budget, fsdp=fsdp, solver=solver, cost_model=cost_model,
+                            hold_outputs=hold_outputs, policy=policy, plan=plan, plan_cache=plan_cache,
+                            device=device, **solver_options)
     started_s = time.perf_counter()
     spec = dataclasses.replace(PlanSpec.make(memory_budget, solver, solver_options, policy=policy,
                                              cost_model=cost_model, plan=plan, plan_cache=plan_cache),

@@ -110,11 +110,18 @@ device_option = click.option(
          "applied on the GPU with compile(model.cuda(), plan=Plan.load(path)).")
 
 
+fsdp_option = click.option(
+    "--fsdp", type=click.IntRange(min=2), default=None, metavar="N",
+    help="Plan one rank of an N-way FSDP2 step: every block of the model's repeated layers and then the "
+         "root sharded with fully_shard (as torchtitan does) over a fake process group, the rank's whole "
+         "step planned, each unit kept or gathered again in backward (docs/fsdp.md). The budget is per rank.")
+
+
 def model_source(command):
     """The options naming the model: MODULE:FACTORY (with --arg) or --hf-config (with --batch, --seq,
-    --dtype); read them with :func:`_load_source`."""
+    --dtype), and --fsdp; read them with :func:`_load_source`."""
     options = [click.argument("factory", metavar="[MODULE:FACTORY]", required=False), factory_args_option,
-               hf_config_option, batch_option, seq_option, dtype_option]
+               hf_config_option, batch_option, seq_option, dtype_option, fsdp_option]
     for option in reversed(options):
         command = option(command)
     return command
@@ -189,7 +196,7 @@ def _hold_outputs(drop_outputs: bool | None, hf_config: str | None) -> bool:
 def _solve(console: Console, workload: Workload, budget: str | None, solver: str,
            time_limit_s: float | None, *, hold_outputs: bool = True,
            objective: str | None = None, plan_cache: str | None = None,
-           device: str | None = None, label: str | None = None) -> PlannedGraph:
+           device: str | None = None, label: str | None = None, fsdp: int | None = None) -> PlannedGraph:
     """The pipeline on the workload's step, with progress (labelled ``label``, default the solver's
     name) and step timings (``device``: a :data:`passes.costs.DEVICE_PRESETS` name for the runtime
     estimate)."""
@@ -198,7 +205,7 @@ def _solve(console: Console, workload: Workload, budget: str | None, solver: str
                                               "objective": objective})
         planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=solver,
                              hold_outputs=hold_outputs, plan_cache=plan_cache,
-                             cost_model=CostModel.preset(device) if device else None, **opts)
+                             cost_model=CostModel.preset(device) if device else None, fsdp=fsdp, **opts)
     _report_steps(console, planned)
     if plan_cache is not None:
         console.note(f"plan {'read from' if planned.source == 'cache' else 'solved and written to'} "
@@ -329,11 +336,12 @@ def plan(ctx: click.Context, budget: str | None, solver: str, fmt: str, output: 
             raise click.UsageError(f"--pareto sweeps its own budgets into a table; {', '.join(given)} "
                                    "cannot be used with it")
         _sweep(console, _load_source(ctx, console, source), pareto_budgets, solver, None, timeline, device,
-               _hold_outputs(drop_outputs, source["hf_config"]), time_limit_s)
+               _hold_outputs(drop_outputs, source["hf_config"]), time_limit_s, fsdp=source["fsdp"])
         return
     if load_path is not None:
         given = _given(ctx, {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
-                             "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device"})
+                             "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device",
+                             "fsdp": "--fsdp"})
         if given:
             raise click.UsageError(f"--load applies a saved plan; {', '.join(given)} cannot be "
                                    "used with it")
@@ -343,7 +351,7 @@ def plan(ctx: click.Context, budget: str | None, solver: str, fmt: str, output: 
         planned = _apply_saved_plan(console, workload, load_path, hold_outputs=hold_outputs)
     else:
         planned = _solve(console, workload, budget, solver, time_limit_s, hold_outputs=hold_outputs,
-                         objective=objective, plan_cache=plan_cache, device=device)
+                         objective=objective, plan_cache=plan_cache, device=device, fsdp=source["fsdp"])
     _emit_text(console, _render(planned, fmt, all_rows), output)
     if timeline is not None:
         console.note(f"wrote timeline picture {_write_timeline(planned, timeline)}")
@@ -374,16 +382,24 @@ def pareto(ctx: click.Context, budgets: list[str], solver: str, strategies: list
     """
     console: Console = ctx.obj
     _sweep(console, _load_source(ctx, console, source), budgets, solver, strategies, png, device,
-           _hold_outputs(drop_outputs, source["hf_config"]), time_limit_s)
+           _hold_outputs(drop_outputs, source["hf_config"]), time_limit_s, fsdp=source["fsdp"])
 
 
 def _sweep(console: Console, workload: Workload, budgets: list[str], solver: str, strategies: list[str] | None,
-           png: str | None, device: str | None, hold_outputs: bool, time_limit_s: float | None) -> None:
+           png: str | None, device: str | None, hold_outputs: bool, time_limit_s: float | None,
+           fsdp: int | None = None) -> None:
     """The pareto table (``pareto``, ``plan --pareto``): ``solver`` at each budget, then the
-    hand-picked strategies, and its picture at ``png``."""
+    hand-picked strategies (not with ``fsdp``: they are for the unsharded model), and its picture
+    at ``png``."""
     with timed(console, "trace and annotate"):
-        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver, hold_outputs=hold_outputs,
-                        cost_model=CostModel.preset(device) if device else None)
+        if fsdp is not None:
+            from remat_compiler.fsdp.planning import analyze_sharded
+            _, cg = analyze_sharded(workload.model, workload.args, workload.kwargs, fsdp=fsdp, solver=solver,
+                                    hold_outputs=hold_outputs, cost_model=CostModel.preset(device) if device else None)
+            strategies = []
+        else:
+            _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver,
+                            hold_outputs=hold_outputs, cost_model=CostModel.preset(device) if device else None)
     with timed(console, "budget sweep"):
         rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s,
                              progress=console.progress_callback)
@@ -474,6 +490,7 @@ def demo(ctx: click.Context, output: str, budget: str, time_limit_s: float | Non
 @seq_option
 @dtype_option
 @device_option
+@fsdp_option
 @drop_outputs_option
 @time_limit_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "dot"]), default="table",
@@ -484,7 +501,7 @@ def demo(ctx: click.Context, output: str, budget: str, time_limit_s: float | Non
 @click.pass_context
 def fit(ctx: click.Context, hf_config: str, budget: str, seq_max: int | None, batch_max: int | None,
         step: int | None, batch: int, seq: int | None, dtype: str | None, device: str | None,
-        drop_outputs: bool | None, time_limit_s: float | None, fmt: str, output: str | None,
+        fsdp: int | None, drop_outputs: bool | None, time_limit_s: float | None, fmt: str, output: str | None,
         all_rows: bool) -> None:
     """The longest sequence (--seq-max) or largest batch (--batch-max) whose training step fits
     --budget, and the plan there: what it saves and recomputes.
@@ -517,7 +534,7 @@ def fit(ctx: click.Context, hf_config: str, budget: str, seq_max: int | None, ba
         b, s = shape(size)
         return _solve(console, causal_lm_workload(config, batch=b, seq=s, model=model), budget, "cpsat",
                       time_limit_s, hold_outputs=_hold_outputs(drop_outputs, hf_config), device=device,
-                      label=f"{dim} {size}")
+                      label=f"{dim} {size}", fsdp=fsdp)
 
     result = fit_size(plan_at, sizes, on_probe=lambda probe: console.note(describe_probe(dim, probe)))
     step = sizes[0]  # the grid's step, the default resolved
