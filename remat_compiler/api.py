@@ -26,6 +26,8 @@ from remat_compiler.clock import check_time_limit
 from remat_compiler.combines import (CHOICE_OPTIONS, COMPARE_MIN_S, COMPARE_SHARE, choose_combines, chooses_combines,
                                      explain_unchosen, resolve_combines)
 from remat_compiler.fsdp.module import FSDPCompiledModule
+from remat_compiler.fsdp.choices import record_unit_choices
+from remat_compiler.fsdp.planning import fake_process_group, shard_for_planning
 from remat_compiler.fsdp.units import is_fsdp_model
 from remat_compiler.graph import CostGraph
 from remat_compiler.module import BACKENDS, CompiledModule, check_wrapper
@@ -41,7 +43,7 @@ from remat_compiler.trace import TracedStep, trace
 __all__ = ["compile", "CompiledModule", "plan_model", "plan_joint", "annotate", "analyze", "PlanSpec",
            "PlannedGraph", "chooses_combines", "choose_combines", "explain_unchosen", "CHOICE_OPTIONS",
            "trace_for_planning", "decide", "resolve_combines", "check_time_limit", "BACKENDS",
-           "COMPARE_SHARE", "COMPARE_MIN_S"]
+           "COMPARE_SHARE", "COMPARE_MIN_S", "plan_sharded", "analyze_sharded"]
 
 
 def analyze(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
@@ -70,7 +72,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
                solver: str | Callable[..., Plan] | Strategy = "cpsat", cost_model: CostModel | None = None,
                hold_outputs: bool = True, policy: Policy | None = None, plan: Plan | str | None = None,
                plan_cache: PlanCache | str | os.PathLike | None = None, device=None,
-               stamp_layers: bool = True, **solver_options) -> PlannedGraph:
+               stamp_layers: bool = True, fsdp: int | None = None, **solver_options) -> PlannedGraph:
     """Plan recomputation for one call of a model without running it (the CLI's ``plan``).
 
     Parameters
@@ -103,6 +105,11 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
         of them and build the full joint graph from those (:mod:`remat_compiler.stamp`): the same
         graph, fingerprint and plan as a full trace, in a fraction of its time. False traces in
         full.
+    fsdp : int, optional
+        Plan rank 0 of an ``fsdp``-way FSDP2 step in this process: a copy of the model sharded as
+        torchtitan shards it (every block of its repeated layers, then the root) over torch's fake
+        process group, its whole step planned with each unit's keep-or-re-gather choice
+        (:func:`plan_sharded`; traced in full).
 
     Returns
     -------
@@ -112,6 +119,10 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     ------
     ValueError, InfeasibleBudgetError, UntraceableModelError, PlanMismatchError
     """
+    if fsdp is not None:  # one rank of an N-way FSDP2 step, over a fake process group
+        return plan_sharded(model, args, kwargs, memory_budget, fsdp=fsdp, solver=solver, cost_model=cost_model,
+                            hold_outputs=hold_outputs, policy=policy, plan=plan, plan_cache=plan_cache,
+                            device=device, **solver_options)
     started_s = time.perf_counter()
     spec = dataclasses.replace(PlanSpec.make(memory_budget, solver, solver_options, policy=policy,
                                              cost_model=cost_model, plan=plan, plan_cache=plan_cache),
@@ -126,6 +137,35 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     planned = plan_joint(traced.joint, traced.num_fwd_outputs, spec)
     planned.timings = {**spent, **planned.timings}
     return planned
+
+
+
+def plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, memory_budget, *, fsdp: int,
+                 **plan_options):
+    """:func:`remat_compiler.plan_model` for rank 0 of an ``fsdp``-way FSDP2 step
+    (:func:`~remat_compiler.fsdp.planning.shard_for_planning`, in a
+    :func:`~remat_compiler.fsdp.planning.fake_process_group`), traced in full
+    (``stamp_layers`` does not apply to the sharded step), each unit's choice in
+    ``plan.extras["fsdp_units"]`` and ``fsdp`` in ``plan.extras["fsdp_world"]``.
+
+    Returns
+    -------
+    PlannedGraph
+    """
+    with fake_process_group(fsdp):
+        step = shard_for_planning(model, fsdp)
+        plan_options["stamp_layers"] = False
+        planned = plan_model(step, args, kwargs, memory_budget, **plan_options)
+        record_unit_choices(planned, step.units)
+    planned.plan.extras["fsdp_world"] = fsdp
+    return planned
+
+
+def analyze_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, *, fsdp: int, **options):
+    """:func:`analyze` for rank 0 of an ``fsdp``-way FSDP2 step: its graph and
+    cost graph (the CLI's ``pareto --fsdp N``)."""
+    with fake_process_group(fsdp):
+        return analyze(shard_for_planning(model, fsdp), args, kwargs, stamp_layers=False, **options)
 
 
 def _plans_for(device, cost_model: CostModel | None):

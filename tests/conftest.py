@@ -1,10 +1,10 @@
-"""Shared fixtures: the seed workloads and helpers to run and measure a training step."""
+"""The suite's set-up: the import path, one torch thread, and the files' order (the helpers to step,
+measure and compare a model are in helpers.py)."""
 from __future__ import annotations
 
 import os
 import sys
 
-import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,20 +38,3 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
-def run_step(model, call, loss_fn=None):
-    """Run forward+backward once; return (loss, {param name: grad}, {input index: grad})."""
-    for p in model.parameters():
-        p.grad = None
-    out = call()
-    loss = loss_fn(out) if loss_fn else (out.loss if hasattr(out, "loss") else out)
-    loss.backward()
-    return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None}
-
-
-@pytest.fixture
-def seeded():
-    torch.manual_seed(0)
-    yield

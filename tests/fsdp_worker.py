@@ -127,6 +127,7 @@ def plan_facts(cm) -> dict:
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, plan.digest())
     return {"digest": plan.digest(), "digests": digests, "predicted": plan.peak_bytes,
+            "fingerprint": plan.fingerprint, "baseline": plan.baseline_peak_bytes,
             "budget": plan.budget_bytes, "units": plan.extras.get("fsdp_units"), "explain": plan.explain(),
             "json_units": __import__("json").loads(plan.to_json())["extras"].get("fsdp_units"),
             "recompute_comm_bytes": plan.recompute_comm_bytes, "source": cm.planned.source}

@@ -39,8 +39,9 @@ from remat_compiler.moe import MoEStack
 
 import moe_dist_worker
 import moe_uneven_worker
+from helpers import token_peaks, token_step
 
-__all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "run_step", "compile_strategies",
+__all__ = ["CONFIG", "STRATEGIES", "make_model", "make_batch", "compile_strategies",
            "plan_figures", "combines", "union_collectives", "all_to_all_roles", "origin_cost_per_link", "run_rank"]
 
 # two residual MoE layers; capacity_factor 2.0 = E / top_k: nothing is dropped
@@ -71,35 +72,23 @@ def make_batch(world: int = 1, rank: int = 0):
     return x[rows].clone(), g[rows].clone()
 
 
-def run_step(model, x, g) -> dict:
-    """One forward + backward from fresh gradients: the output and every gradient, by name.
-
-    Names: ``out``, ``x``, and each parameter (``layers.0.router.linear.weight`` is the router,
-    whose gradient flows only through the probabilities; ``gemm1``/``gemm2.weight`` are W1/W2).
-    """
-    params = dict(getattr(model, "original", model).named_parameters())
-    for p in params.values():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    out = model(x)
-    out.backward(g)
-    return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in params.items()}}
-
-
 def compile_strategies(group, x, g, strategies=STRATEGIES) -> dict:
     """Compile a fresh stack with each strategy (moe_origin and moe_fast among them) and CP-SAT between
     origin's and fast's peaks; run once.
 
-    Returns ``{name: (compiled module, step results)}``; the CP-SAT entry is ``"cpsat"``.
+    Returns ``{name: (compiled module, step results)}``; the CP-SAT entry is ``"cpsat"``. A step's
+    results (:func:`helpers.token_step`): ``out``, ``x``, and each parameter's gradient
+    (``layers.0.router.linear.weight`` is the router, whose gradient flows only through the
+    probabilities; ``gemm1``/``gemm2.weight`` are W1/W2).
     """
     results = {}
     for name in strategies:
         compiled = remat_compiler.compile(make_model(group), solver=name)
-        results[name] = (compiled, run_step(compiled, x, g))
+        results[name] = (compiled, token_step(compiled, x, g))
     budget = (results["moe_origin"][0].plan.peak_bytes + results["moe_fast"][0].plan.peak_bytes) // 2
     compiled = remat_compiler.compile(make_model(group), memory_budget=budget, solver="cpsat",
                                       **CPSAT_OPTIONS)
-    results["cpsat"] = (compiled, run_step(compiled, x, g))
+    results["cpsat"] = (compiled, token_step(compiled, x, g))
     return results
 
 
@@ -159,31 +148,17 @@ def inductor_on_ranks(group, x) -> dict:
     rank's gradients and eager's, what it runs as, the budget, the walk of Inductor's code, the
     measured peak of a second step with Inductor's buffers watched, the first step's own check, and
     the warnings of the whole run."""
-    from remat_compiler.inductor import watch
-
     model = MeanSquare(make_model(group, num_layers=1))
-
-    def step(module, params=model, xx=None):
-        xx = x.detach().clone().requires_grad_(True) if xx is None else xx
-        module(xx).backward()
-        return {"x": xx.grad, **{n: p.grad for n, p in params.named_parameters()}}
-
-    reference = MeanSquare(make_model(group, num_layers=1))
-    eager = step(reference, reference)
+    eager = token_step(MeanSquare(make_model(group, num_layers=1)), x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = remat_compiler.compile(model, memory_budget=0.9, backend="inductor", time_limit_s=1,
                                           num_workers=1)
-        grads = step(compiled)  # traces, plans and compiles
-        for p in model.parameters():
-            p.grad = None
-        xx = x.detach().clone().requires_grad_(True)  # made before the step, as the first step's was
-        tracker = LiveStorageTracker()
-        with tracker, watch(tracker, compiled.planned.inductor):
-            step(compiled, xx=xx)
+        grads = token_step(compiled, x)  # traces, plans and compiles
+        _, measured = token_step(compiled, x, inductor=compiled, measure=True)
     planned = compiled.planned
     return {"eager": eager, "grads": grads, "runs as": planned.backend, "budget": compiled.plan.budget_bytes,
-            "walked": planned.compiled.peak_bytes if planned.compiled else None, "measured": tracker.peak_bytes,
+            "walked": planned.compiled.peak_bytes if planned.compiled else None, "measured": measured,
             "first step": planned.first_step_bytes, "warnings": [str(w.message) for w in caught]}
 
 
@@ -195,15 +170,15 @@ def choice_on_ranks(x, g) -> dict:
     from remat_compiler.plan import moe_combine_of
 
     compiled = remat_compiler.compile(make_model(None), memory_budget=0.8, time_limit_s=2, num_workers=1)
-    got = run_step(compiled, x, g)  # traces, chooses and plans
+    got = token_step(compiled, x, g)  # traces, chooses and plans
     with LiveStorageTracker() as mem:
-        run_step(compiled, x, g)
+        token_step(compiled, x, g)
     plan = compiled.plan
     return {"modes": {seg: c["mode"] for seg, c in plan.extras["moe_combine"].items()},
             "why": {seg: c.get("why", "") for seg, c in plan.extras["moe_combine"].items()},
             "traced": {seg: c["mode"] for seg, c in moe_combine_of(compiled.planned.cg).items()},
             "digest": plan.digest(), "source": compiled.planned.source, "compiled": got,
-            "eager": run_step(make_model(None), x, g), "peak": mem.peak_bytes, "predicted": plan.peak_bytes,
+            "eager": token_step(make_model(None), x, g), "peak": mem.peak_bytes, "predicted": plan.peak_bytes,
             "budget": plan.budget_bytes}
 
 
@@ -241,15 +216,7 @@ def measured_against_plan(group, x, steps: int = 6) -> dict:
     model = MeanSquare(make_model(group))
     # any plan under the budget will do (its measured peak is checked against its prediction)
     compiled = remat_compiler.compile(model, memory_budget=0.8, solver="cpsat", time_limit_s=2, num_workers=1)
-    x = x.detach().clone().requires_grad_(True)
-    peaks = []
-    for _ in range(steps + 1):  # the first call traces and plans
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
-        with LiveStorageTracker() as mem:
-            compiled(x).backward()
-        peaks.append(mem.peak_bytes)
+    peaks = token_peaks(compiled, x, steps + 1)  # the first call traces and plans
     fw, bw = remat_compiler.codegen.emit(compiled.planned.gm, compiled.plan)
     waits = [n for gm in (fw, bw) for n in gm.graph.nodes
              if getattr(n.target, "__name__", "").startswith("wait_tensor")]
@@ -271,7 +238,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         group = dist.group.WORLD
         x, g = make_batch(world, rank)
-        eager = run_step(make_model(group), x, g)
+        eager = token_step(make_model(group), x, g)
         # 4 ranks (the suite's time is bounded): the two strategies CP-SAT's budget lies between, and
         # CP-SAT; save_all and moe_custom run on 2
         compiled = compile_strategies(group, x, g, STRATEGIES if world == 2 else FOUR_RANK_STRATEGIES)

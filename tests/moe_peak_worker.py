@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 
 import remat_compiler
-from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
 from remat_compiler.schedule import simulate
 
+from helpers import assert_same, median, token_peaks, token_step
 from moe_compile_worker import MeanSquare  # the model with its loss inside
-from moe_uneven_worker import run_step as _step  # one step from fresh gradients: loss and gradients
 
 __all__ = ["SHAPES", "RANK_SHAPES", "STRATEGIES", "make_model", "make_tokens", "y_bytes", "run_shape", "check_shape"]
 
@@ -57,18 +56,6 @@ def y_bytes(shape: dict) -> int:
     return shape["num_layers"] * TOKENS * shape["top_k"] * shape["hidden_size"] * 8
 
 
-def _measured_peaks(model, x) -> list[int]:
-    peaks = []
-    for _ in range(STEPS):
-        for p in model.parameters():
-            p.grad = None
-        xx = x.detach().clone().requires_grad_(True)
-        with LiveStorageTracker() as mem:
-            model(xx).backward()
-        peaks.append(mem.peak_bytes)
-    return peaks
-
-
 def _peak_place(module, shape: dict) -> dict:
     """Where the plan's simulated peak is: phase and MoE role of the node running then, and the bytes
     of the gathered expert outputs ``y`` (``[T * top_k, H]``, saved for the unpermute's backward)
@@ -92,25 +79,21 @@ def _peak_place(module, shape: dict) -> dict:
 def run_shape(shape: dict, group=None, world: int = 1, rank: int = 0) -> dict:
     """Eager gradients and, per strategy, gradients, predicted / measured peaks and the peak's place."""
     x = make_tokens(shape, world, rank)
-    out = {"eager": _step(make_model(shape, group), x)}
+    out = {"eager": token_step(make_model(shape, group), x)}
     for name in STRATEGIES:
         module = remat_compiler.compile(make_model(shape, group), solver=name)
-        grads = _step(module, x)  # the first call traces and plans
+        grads = token_step(module, x)  # the first call traces and plans
         out[name] = {"grads": grads, "predicted": module.plan.peak_bytes, "saved": module.plan.saved_bytes,
-                     "measured": _measured_peaks(module, x), "peak_at": _peak_place(module, shape)}
+                     "measured": token_peaks(module, x, STEPS), "peak_at": _peak_place(module, shape)}
     return out
 
 
 def check_shape(res: dict, shape: dict, label: str) -> None:
     """Assert what tests/test_moe_custom_peak.py checks of one shape's :func:`run_shape` results."""
     for name in STRATEGIES:
-        got, want = res[name]["grads"], res["eager"]
-        assert got.keys() == want.keys()
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12,  # float64
-                                       msg=lambda m: f"{label} {name} {k}: {m}")
-        peaks = res[name]["measured"]
-        assert sorted(peaks)[len(peaks) // 2] == res[name]["predicted"], (label, name, res[name])
+        assert_same(res[name]["grads"], res["eager"], f"{label} {name}", rtol=1e-10, atol=1e-12,  # float64
+                    none_ok=True)
+        assert median(res[name]["measured"]) == res[name]["predicted"], (label, name, res[name])
     fast, custom = (min(res[n]["measured"]) for n in STRATEGIES)
     assert res["moe_fast"]["saved"] - res["moe_custom"]["saved"] == y_bytes(shape), label
     at = res["moe_fast"]["peak_at"]

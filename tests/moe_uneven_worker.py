@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 import remat_compiler
+from helpers import token_peaks, token_step
 from remat_compiler.errors import ExpertCapacityError
-from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoEStack
 
-__all__ = ["CONFIG", "ROUTINGS", "COMPILED", "make_model", "make_tokens", "run_step", "uneven_checks",
+__all__ = ["CONFIG", "ROUTINGS", "COMPILED", "make_model", "make_tokens", "uneven_checks",
            "single_process_reference"]
 
 # 8 experts, top-2, 64 tokens a rank, float64. capacity_factor E / top_k makes C = T: each expert holds
@@ -78,26 +78,6 @@ def make_tokens(routing: str, world: int = 1, rank: int | None = 0) -> torch.Ten
     return x[rank * CONFIG["tokens"]:(rank + 1) * CONFIG["tokens"]].clone()
 
 
-def run_step(model, x) -> dict:
-    """One step from fresh gradients: the loss and every gradient by name (``x``: the input's)."""
-    params = dict(getattr(model, "original", model).named_parameters())
-    for p in params.values():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    loss = model(x)
-    loss.backward()
-    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in params.items()}}
-
-
-def _measured_peak(compiled, x) -> int:
-    for p in compiled.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    with LiveStorageTracker() as mem:
-        compiled(x).backward()
-    return mem.peak_bytes
-
-
 def _rows_sent(model, x, world: int) -> list[int]:
     """Rows these tokens send to each rank's experts in the first layer (its router run alone)."""
     with torch.no_grad():
@@ -132,9 +112,8 @@ def uneven_checks(group, world: int, rank: int) -> dict:
             out["eager"].setdefault(name, {})[routing] = _step_or_error(model, x)
             got = out["compiled"].setdefault(name, {})[routing] = _step_or_error(compiled, x)
             if not isinstance(got, str):
-                out["peaks"].setdefault(name, {})[routing] = [_measured_peak(compiled, x)
-                                                              for _ in range(MEASURED_STEPS)]
-        out["after_overflow"][name] = run_step(compiled, make_tokens("random", world, rank))
+                out["peaks"].setdefault(name, {})[routing] = token_peaks(compiled, x, MEASURED_STEPS)
+        out["after_overflow"][name] = token_step(compiled, make_tokens("random", world, rank))
         plans = [None] * world
         dist.all_gather_object(plans, (compiled.plan.digest(), compiled.plan.to_json()))
         out["plans"][name] = plans
@@ -145,7 +124,7 @@ def uneven_checks(group, world: int, rank: int) -> dict:
 
 def _step_or_error(model, x):
     try:
-        return run_step(model, x)
+        return token_step(model, x)
     except ExpertCapacityError as exc:
         return str(exc)
 

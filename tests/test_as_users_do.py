@@ -15,28 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat_compiler as rc
+from helpers import assert_same, eager_step, planned_step
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.solvers import solve
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
-
-
-def _measured(model, call, step):
-    """Trace and plan (first call), then measure the second step: (peak, loss, grads)."""
-    step(call)
-    for p in model.parameters():
-        p.grad = None
-    with LiveStorageTracker() as mem:
-        loss = step(call)
-    return mem.peak_bytes, loss, {n: p.grad for n, p in model.named_parameters()}
-
-
-def _eager(model, step):
-    ref = copy.deepcopy(model)
-    step(ref)
-    for p in ref.parameters():
-        p.grad = None
-    loss = step(ref)
-    return ref, loss, {n: p.grad for n, p in ref.named_parameters()}
 
 
 def _at_smallest_and_between(model, x, time_limit_s=2):
@@ -64,16 +46,14 @@ class EmptyConstant(nn.Module):
 def test_constants_made_in_forward_are_resident_and_empty_ones_need_no_storage():
     torch.manual_seed(0)
     model, x = EmptyConstant().double(), torch.randn(64, 16, dtype=torch.float64)
-    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
-    _, eager_loss, eager_grads = _eager(model, step)
+    _, eager = eager_step(model, lambda ref: ref(x))
     budgets, memo = _at_smallest_and_between(model, x)
     for budget in budgets:
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, time_limit_s=2, memo=memo)
-        peak, loss, grads = _measured(net, m, step)
-        assert torch.equal(loss, eager_loss)
-        assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
-        assert peak == m.plan.peak_bytes <= budget
+        got = planned_step(net, lambda: m(x))  # the first step traces and plans
+        assert_same(got, eager, budget, rtol=0, atol=0)  # equal
+        assert got.peak == m.plan.peak_bytes <= budget
 
 
 class MeanSquare(nn.Module):
@@ -93,19 +73,17 @@ def _bn_chain():
 
 def test_training_batch_norm_recomputed_gives_eagers_gradients_and_running_stats():
     model, x = _bn_chain(), torch.randn(128, 32, dtype=torch.float64)
-    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
-    ref, eager_loss, eager_grads = _eager(model, step)
+    ref, eager = eager_step(model, lambda ref: ref(x))
     (smallest, between), memo = _at_smallest_and_between(model, x)
     for budget in (smallest, between):
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, time_limit_s=2, memo=memo)
-        peak, loss, grads = _measured(net, m, step)
+        got = planned_step(net, lambda: m(x))  # the first step traces and plans
         if budget == smallest:
             assert any("batch_norm" in n for n in m.plan.recomputed), "the smallest budget recomputes it"
-        assert torch.equal(loss, eager_loss)
-        assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+        assert_same(got, eager, budget, rtol=0, atol=0)  # equal
         assert all(torch.equal(a, b) for a, b in zip(net.buffers(), ref.buffers()))
-        assert peak == m.plan.peak_bytes <= budget
+        assert got.peak == m.plan.peak_bytes <= budget
 
 
 class SharedBatchNorm(nn.Module):
@@ -142,15 +120,13 @@ def test_a_recomputed_batch_norm_keeps_no_running_statistics_it_does_not_read():
     def solve_fixed(cg, budget_bytes, **_):
         return make_plan(cg, saved, budget_bytes=budget_bytes, solver="fixed")
 
-    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
-    ref, eager_loss, eager_grads = _eager(model, step)
+    ref, eager = eager_step(model, lambda ref: ref(x))
     net = copy.deepcopy(model)
     m = rc.compile(net, solver=solve_fixed)
-    peak, loss, grads = _measured(net, m, step)
+    got = planned_step(net, lambda: m(x))  # the first step traces and plans
     assert second.name in m.plan.recomputed and not set(stats) & set(m.plan.saved)
-    assert peak == m.plan.peak_bytes
-    assert torch.equal(loss, eager_loss)
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    assert got.peak == m.plan.peak_bytes
+    assert_same(got, eager, rtol=0, atol=0)  # equal
     assert all(torch.equal(a, b) for a, b in zip(net.buffers(), ref.buffers()))
 
 
@@ -168,16 +144,15 @@ class MutatesBuffer(nn.Module):
 def test_values_read_from_a_buffer_mutated_in_place_are_not_recomputed_from_its_new_value():
     torch.manual_seed(0)
     model, x = MutatesBuffer().double(), torch.randn(256, 32, dtype=torch.float64)
-    step = lambda call: (lambda loss: (loss.backward(), loss.detach())[1])(call(x))  # noqa: E731
-    ref, eager_loss, eager_grads = _eager(model, step)
+    ref, eager = eager_step(model, lambda ref: ref(x))
     budgets, memo = _at_smallest_and_between(model, x)
     for budget in budgets:
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, time_limit_s=2, memo=memo)
-        peak, loss, grads = _measured(net, m, step)
-        assert torch.equal(loss, eager_loss) and torch.equal(net.count, ref.count)
-        assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
-        assert peak == m.plan.peak_bytes <= budget
+        got = planned_step(net, lambda: m(x))  # the first step traces and plans
+        assert_same(got, eager, budget, rtol=0, atol=0)  # equal
+        assert torch.equal(net.count, ref.count)
+        assert got.peak == m.plan.peak_bytes <= budget
 
 
 class WithAux(nn.Module):
@@ -370,12 +345,9 @@ def test_a_strided_extra_output_is_predicted_to_the_byte():
     torch.manual_seed(0)
     model, x = StridedOutputs(), torch.randn(4, 8)
     m = rc.compile(model, time_limit_s=2)
-    def step(call):  # the caller holds every output through backward (hold_outputs=True)
-        out = call(x)
-        out[0].backward()
-        return out
-    peak, _, _ = _measured(model, m, step)
-    assert peak == m.plan.peak_bytes
+    # the caller holds every output through backward (hold_outputs=True)
+    got = planned_step(model, lambda: m(x), loss=lambda out: out[0], hold_outputs=True)
+    assert got.peak == m.plan.peak_bytes
 
 
 def test_compiled_forward_has_the_models_signature():
@@ -409,22 +381,18 @@ def test_dropout_is_recomputed_with_its_rng_state_replayed():
     gradients are eager's bit for bit, and the generator ends where eager leaves it."""
     torch.manual_seed(0)
     model, x = DropoutChain().double(), torch.randn(128, 32, dtype=torch.float64)
-
-    def step(call):
-        torch.manual_seed(7)
-        loss = call(x)
-        loss.backward()
-        return loss.detach(), torch.get_rng_state()
-    ref, (eager_loss, eager_rng), eager_grads = _eager(model, step)
+    _, eager = eager_step(model, lambda ref: ref(x), seed=7)
+    eager_rng = torch.get_rng_state()  # where the step leaves the generator
     (smallest, _), memo = _at_smallest_and_between(model, x, time_limit_s=5)
     net = copy.deepcopy(model)
     m = rc.compile(net, memory_budget=smallest, time_limit_s=5, memo=memo)
-    peak, (loss, rng), grads = _measured(net, m, step)
+    got = planned_step(net, lambda: m(x), seed=7)  # the first step traces and plans
+    rng = torch.get_rng_state()
     assert [n for n in m.plan.recomputed if n.startswith("dropout_at")], m.plan.recomputed
     assert not [n for n in m.plan.recomputed if n.startswith("rng_state")]  # the state is saved
-    assert torch.equal(loss, eager_loss) and torch.equal(rng, eager_rng)
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
-    assert peak == m.plan.peak_bytes <= smallest
+    assert_same(got, eager, rtol=0, atol=0)  # equal
+    assert torch.equal(rng, eager_rng)
+    assert got.peak == m.plan.peak_bytes <= smallest
 
 
 def test_the_tracker_does_not_count_a_traces_fake_tensors():

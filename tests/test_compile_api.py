@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import remat_compiler as rc
 from remat_compiler.examples.models import MLPChain
-from remat_compiler.memory import LiveStorageTracker
+from helpers import grads_of, planned_step
 
 
 class WithLoss(nn.Module):
@@ -26,10 +26,6 @@ class WithLoss(nn.Module):
 def _data(batch=512, width=128):
     g = torch.Generator().manual_seed(1)
     return torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_shares_parameters_state_dict_and_optimizer():
@@ -85,7 +81,7 @@ def test_later_calls_use_the_parameters_the_model_holds_now_under_their_names():
     model.zero_grad(set_to_none=True)
     m(x).backward()
     assert len(m._entries) == 1
-    got = _grads(model)
+    got = grads_of(model)
     model.zero_grad(set_to_none=True)
     model(x).backward()
     for name, p in model.named_parameters():
@@ -109,18 +105,14 @@ def test_mlp_measured_peak_matches_prediction_and_budget():
     model = WithLoss(width=128, depth=6)
     x, y = _data(1024)
     model(x, y).backward()
-    eager = _grads(model)
+    eager = grads_of(model)
     for budget in (0.9, 0.6, 0.5):
         m = rc.compile(model, memory_budget=budget, time_limit_s=10)
-        for _ in range(2):  # the first call traces and plans
-            for p in model.parameters():
-                p.grad = None
-            with LiveStorageTracker() as mem:
-                m(x, y).backward()
+        peak = planned_step(model, lambda: m(x, y)).peak  # the first step traces and plans
         plan = m.plan
-        assert mem.peak_bytes <= plan.budget_bytes
-        assert mem.peak_bytes == plan.peak_bytes
-        for n, g in _grads(model).items():
+        assert peak <= plan.budget_bytes
+        assert peak == plan.peak_bytes
+        for n, g in grads_of(model).items():
             assert torch.allclose(g, eager[n], rtol=1e-5, atol=1e-7), (budget, n)
     assert plan.recomputed and plan.peak_bytes <= 0.5 * plan.baseline_peak_bytes
     # CPU mse_loss keeps its scalar in a buffer the size of its input: calibrated, not the fake 4 bytes
@@ -212,12 +204,12 @@ def test_random_ops_are_never_recomputed():
     cg = m.planned.cg
     random_nodes = [n for n in cg.fw_order if cg.attr(n, "never_recompute")]
     assert random_nodes and not set(random_nodes) & set(m.plan.recomputed)
-    got = _grads(model)
+    got = grads_of(model)
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(5)
     model(x).backward()
-    for n, g in _grads(model).items():
+    for n, g in grads_of(model).items():
         assert torch.allclose(g, got[n], rtol=1e-6, atol=1e-7), n
 
 

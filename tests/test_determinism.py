@@ -10,42 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn as nn
 
 import remat_compiler as rc
+from helpers import stack_graph
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak, solve_cpsat
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.b(torch.tanh(self.a(x)))
-
-
-def stack_graph():
-    """Four identical residual blocks (a ModuleList) and a head, as users write them."""
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(_Block(16) for _ in range(4))
-    head = nn.Linear(16, 8)
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks, self.head = blocks, head
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x).square().mean()
-
-    _, cg = rc.analyze(Net(), (torch.randn(512, 16),))  # activations, not weights, make the peak
-    return cg
 
 
 def checkpoint_budget(cg) -> int:
@@ -75,7 +45,7 @@ def test_deterministic_plan_is_the_same_in_a_fresh_process_and_after_other_solve
     assert deterministic_plan(cg) == first
     code = ("import json; from tests.test_determinism import stack_graph, deterministic_plan; "
             "print(json.dumps(deterministic_plan(stack_graph())))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr

@@ -156,3 +156,72 @@ def test_a_model_without_fsdp_compiles_as_before():
     assert not is_fsdp_model(model)
     cm = remat_compiler.compile(model)
     assert type(cm) is CompiledModule
+
+
+# ---------------------------------------------------------------- one rank of N, planned in one process
+
+def _meta_llama():
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**worker.LLAMA_SIZES))
+    ids = torch.zeros(2, 12, dtype=torch.long, device="meta")
+    return model, ids
+
+
+def test_planning_one_rank_on_meta_gives_the_real_ranks_graph(ranks):
+    """plan_model(meta model, fsdp=2) in this process, over a fake process group: the same graph
+    (fingerprint), no-recompute peak and resolved budget as the 2 real gloo ranks traced for the
+    same Llama sharded as users shard it; the caller's model stays unsharded and no process group
+    is left behind."""
+    import torch.distributed as dist
+
+    import remat_compiler
+    from remat_compiler.fsdp import is_fsdp_model
+
+    model, ids = _meta_llama()
+    planned = remat_compiler.plan_model(model, (ids,), {"labels": ids}, 0.9, hold_outputs=False, fsdp=2,
+                                        **worker.CPSAT)
+    real = ranks[0]["llama"]["plan"]
+    plan = planned.plan
+    assert (plan.fingerprint, plan.baseline_peak_bytes, plan.budget_bytes) == \
+        (real["fingerprint"], real["baseline"], real["budget"])
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert [u["unit"] for u in plan.extras["fsdp_units"]] == [u["unit"] for u in real["units"]]
+    assert plan.extras["fsdp_world"] == 2 and "FSDP unit" in plan.explain()
+    assert not is_fsdp_model(model) and not dist.is_initialized()
+
+
+def test_cli_plans_one_rank_of_an_fsdp_step(tmp_path, capsys):
+    """plan / pareto / fit take --fsdp N: the plan lists each unit's choice, the sweep plans the
+    sharded step, and fit answers with the plan of one rank's step."""
+    import transformers
+
+    from remat_compiler.cli import main
+
+    cfg = tmp_path / "config.json"
+    transformers.LlamaConfig(**worker.LLAMA_SIZES).to_json_file(str(cfg))
+    common = ["--hf-config", str(cfg), "--seq", "16", "--time-limit", "3"]
+    assert main(["plan", *common, "--fsdp", "4", "--budget", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP unit         (root):" in out and "model.layers.2:" in out
+    assert main(["pareto", *common, "--fsdp", "4", "--budgets", "1.0,0.9"]) == 0
+    assert "cpsat @ 0.9" in capsys.readouterr().out
+    assert main(["fit", "--hf-config", str(cfg), "--seq-max", "64", "--step", "32", "--fsdp", "2",
+                 "--budget", "10MiB", "--time-limit", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fit: seq 64 fits 10.00 MiB" in out and "FSDP unit" in out
+
+
+def test_fsdp_planning_refuses_what_it_cannot_shard():
+    """fsdp=1, and a model without repeated blocks, are library errors saying what to do."""
+    import remat_compiler
+    from remat_compiler.errors import UnsupportedShardingError
+
+    model, ids = _meta_llama()
+    with pytest.raises(UnsupportedShardingError, match="2 ranks or more"):
+        remat_compiler.plan_model(model, (ids,), {"labels": ids}, fsdp=1)
+    with torch.device("meta"):
+        flat = torch.nn.Linear(4, 4)
+    with pytest.raises(UnsupportedShardingError, match="no repeated blocks"):
+        remat_compiler.plan_model(flat, (torch.zeros(2, 4, device="meta"),), fsdp=2)

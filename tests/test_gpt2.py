@@ -2,39 +2,28 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import remat_compiler as rc
 from remat_compiler.examples.gpt2 import build
-from remat_compiler.memory import LiveStorageTracker
+from helpers import assert_same, planned_step, run_step
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
 pytest.importorskip("transformers")
 TIME_LIMIT_S = 2
 
 
-def _measured_step(model, call, loss_fn):
-    for p in model.parameters():
-        p.grad = None
-    with LiveStorageTracker() as mem:
-        out = call()
-        loss_fn(out).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return mem.peak_bytes, grads
-
-
 @pytest.fixture(scope="module")
 def runs():
     model, inputs, loss_fn = build(n_layer=4, n_embd=128, n_head=4, vocab_size=512, batch=4, seq=128)
-    _, eager_grads = _measured_step(model, lambda: model(**inputs), loss_fn)
+    # the caller holds the output (logits and all) through backward, as the plans assume
+    eager_grads = run_step(model, lambda: model(**inputs), loss=loss_fn, hold_outputs=True).grads
     results = {}
     memo = SolveMemo()  # one per graph, as a sweep has: each budget starts from the plans before it
 
     def run(budget):
         compiled = rc.compile(model, memory_budget=budget, time_limit_s=TIME_LIMIT_S, memo=memo)
-        _measured_step(model, lambda: compiled(**inputs), loss_fn)  # trace, plan, warm up
-        peak, grads = _measured_step(model, lambda: compiled(**inputs), loss_fn)
-        results[budget] = (compiled.plan, peak, grads)
+        got = planned_step(model, lambda: compiled(**inputs), loss=loss_fn, hold_outputs=True)  # the first traces
+        results[budget] = (compiled.plan, got.peak, got.grads)
         return compiled.planned.cg
 
     cg = [run(budget) for budget in (1.0, 0.6, 0.4)][0]  # the step's graph (each compile traced it)
@@ -48,9 +37,7 @@ def runs():
 def test_gradients_match_eager_at_every_budget(runs):
     eager, results, _ = runs
     for budget, (plan, _peak, grads) in results.items():
-        assert grads.keys() == eager.keys()
-        for name in eager:
-            assert torch.allclose(grads[name], eager[name], rtol=1e-5, atol=1e-6), (budget, name)
+        assert_same(grads, eager, budget, rtol=1e-5, atol=1e-6, none_ok=True)
 
 
 def test_measured_peak_under_budget_and_equal_to_prediction(runs):
@@ -83,11 +70,7 @@ def test_caller_dropping_outputs_is_planned_with_hold_outputs_false():
     logits_bytes = 2 * 64 * 512 * 4
 
     def dropping_step(m):
-        for p in model.parameters():
-            p.grad = None
-        with LiveStorageTracker() as mem:
-            m(**inputs).loss.backward()
-        return mem.peak_bytes
+        return run_step(model, lambda: m(**inputs), loss=lambda out: out.loss, measure=True).peak
 
     held = rc.compile(model, 0.6, time_limit_s=TIME_LIMIT_S)
     dropped = rc.compile(model, 0.6, hold_outputs=False, time_limit_s=TIME_LIMIT_S)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import remat_compiler as rc
+from helpers import SEED, assert_same, eager_step, planned_step, run_step
 from remat_compiler.api import PlanSpec, chooses_combines
-from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.solvers import solve
 from remat_compiler.solvers.combine_choice import align_combines
 
@@ -24,7 +24,6 @@ pytest.importorskip("transformers")
 from remat_compiler.examples.zoo import build  # noqa: E402
 from remat_compiler.moe.hf import FUSED_CHILD  # noqa: E402
 from remat_compiler.moe.segments import segment_combines, why_not_choosable  # noqa: E402
-from tests.test_zoo import _step  # noqa: E402  (the seeded step: loss and gradients)
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32
 SEGMENTS = ("model.model.layers.0.mlp", "model.model.layers.1.mlp")
@@ -117,20 +116,16 @@ def test_materialised_hf_backward_is_the_traced_one(mixtral, modes):
 
 
 def _compiled(model, inputs, budget):
-    """The default compile at ``budget``, stepped once (traces and plans) then measured."""
+    """The default compile at ``budget``, stepped once (traces and plans) then measured (seeded)."""
     net = copy.deepcopy(model)
     m = rc.compile(net, memory_budget=budget, **OPTIONS)
-    _step(net, m, inputs)
-    with LiveStorageTracker() as mem:
-        got = _step(net, m, inputs)
-    return m, got, mem.peak_bytes
+    got = planned_step(net, lambda: m(**inputs), seed=SEED)
+    return m, got, got.peak
 
 
-def _assert_same(got, want, label):
-    (loss, grads), (eager_loss, eager_grads) = got, want
-    torch.testing.assert_close(loss, eager_loss, **TOL)
-    for name, g in eager_grads.items():
-        torch.testing.assert_close(grads[name], g, **TOL, msg=lambda msg: f"{label} {name}: {msg}")
+def _eager(model, inputs):
+    """Eager's step (seeded) on a copy of the model."""
+    return eager_step(model, lambda ref: ref(**inputs), steps=1, seed=SEED)[1]
 
 
 def _pure_and_eager(family, model, inputs, graphs=None):
@@ -139,8 +134,7 @@ def _pure_and_eager(family, model, inputs, graphs=None):
         with segment_combines(model, {s: "fused" for s in SEGMENTS}):
             graphs = {"fused": rc.analyze(model, (), inputs)[1]}
         graphs["autograd"] = rc.analyze(model, (), inputs)[1]
-    ref = copy.deepcopy(model)
-    return {mode: solve(cg, None, "save_all") for mode, cg in graphs.items()}, _step(ref, ref, inputs)
+    return {mode: solve(cg, None, "save_all") for mode, cg in graphs.items()}, _eager(model, inputs)
 
 
 def _assert_chosen(family, model, inputs, pure, eager, at):
@@ -149,7 +143,7 @@ def _assert_chosen(family, model, inputs, pure, eager, at):
     recorded and explained; returns the modes."""
     m, got, measured = _compiled(model, inputs, at)
     plan = m.plan
-    _assert_same(got, eager, (family, at))
+    assert_same(got, eager, (family, at), **TOL, none_ok=True)
     assert measured == plan.peak_bytes and (at is None or measured <= at), (family, at, measured)
     # optimal where the 1 s search proves it; under load the warm start it returns is a feasible plan,
     # whose cost the next line still bounds
@@ -199,10 +193,9 @@ def test_a_block_that_cannot_fuse_is_no_choice_and_keeps_autograd():
     why = why_not_choosable(model)
     assert why[SEGMENTS[0]] is None and "experts_implementation='batched_mm'" in why[SEGMENTS[1]]
     assert chooses_combines(PlanSpec.make(None, "cpsat", dict(OPTIONS)), model)
-    ref = copy.deepcopy(model)
-    eager = _step(ref, ref, inputs)
+    eager = _eager(model, inputs)
     m, got, measured = _compiled(model, inputs, None)
-    _assert_same(got, eager, "one block unfusable")
+    assert_same(got, eager, "one block unfusable", **TOL, none_ok=True)
     assert measured == m.plan.peak_bytes
     combine = m.plan.extras["moe_combine"]
     assert combine[SEGMENTS[1]]["mode"] == "autograd", combine
@@ -218,14 +211,11 @@ def test_under_cpu_autocast_the_choice_trains_like_autocast_eager():
     each block's choice, and gives autocast eager's loss and gradients."""
     model, inputs, _ = build("mixtral")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = copy.deepcopy(model)
-        want = _step(ref, ref, inputs)
+        want = _eager(model, inputs)
         net = copy.deepcopy(model)
         m = rc.compile(net, **OPTIONS)
-        got = _step(net, m, inputs)
+        got = run_step(net, lambda: m(**inputs), seed=SEED)
     combines = m.plan.extras["moe_combine"]
     assert sorted(combines) == list(SEGMENTS)
     assert all(c["why"].startswith("chosen in the one CP-SAT solve") for c in combines.values()), combines
-    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
-    for name, g in want[1].items():
-        assert torch.allclose(got[1][name], g, rtol=1e-5, atol=1e-6), name
+    assert_same(got, want, "under autocast", rtol=1e-5, atol=1e-6)

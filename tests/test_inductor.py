@@ -15,24 +15,10 @@ import torch
 import remat_compiler
 import remat_compiler.inductor as inductor
 from remat_compiler.examples.models import build_mlp
+from helpers import assert_same, planned_step, run_step
 import remat_compiler.inductor.compile as inductor_compile
 from remat_compiler.inductor import EmittedPeak, InductorGraph, Storages, UnreadableCodeError, walk_graph
-from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
-
-
-def _measured_step(m, model, step) -> int:
-    """Run ``step`` once to plan and compile, then again under the tracker; return its peak."""
-    step()
-    for p in model.parameters():
-        p.grad = None
-    tracker = LiveStorageTracker()
-    with tracker, inductor.watch(tracker, m.planned.inductor):
-        step()
-    return tracker.peak_bytes
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+from remat_compiler.memory import AllocatorPeak
 
 
 class _WithLoss(torch.nn.Module):
@@ -195,14 +181,14 @@ def test_the_first_step_check_measures_the_last_forward_and_the_first_backward()
 
 def test_an_inductor_plan_keeps_its_saved_values_gradients_and_budget():
     model, x, loss_fn = _mlp_case()
-    loss_fn(model(x)).backward()
-    expected = _grads(model)
+    expected = run_step(model, lambda: model(x), loss=loss_fn).grads
     budget = 180_000  # between the checkpoint-every-block and no-recompute peaks of this MLP
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
-    measured = _measured_step(m, model, lambda: loss_fn(m(x)).backward())
-    got = _grads(model)
+    # the first step plans and compiles; the second is measured with Inductor's buffers
+    step = planned_step(model, lambda: m(x), loss=loss_fn, inductor=m)
+    measured = step.peak
     assert m.planned.backend == "inductor"
-    assert all(torch.allclose(got[n], expected[n], rtol=1e-5, atol=1e-6) for n in expected)
+    assert_same(step.grads, expected, rtol=1e-5, atol=1e-6)
     assert m.plan.recomputed, "the budget must make the plan recompute something"
     # the compiled backward takes exactly the values the plan saves (and the tangent), by name
     bw_names = [n.strip() for n in [s for s in inductor.call_body(m.planned.inductor[1].source)
@@ -239,7 +225,7 @@ def test_gpt2_at_its_default_config_trains_like_eager_under_inductor():
     assert m.planned.backend == "inductor" and m.plan.recomputed
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
-    measured = _measured_step(m, model, lambda: m(ids, labels=ids).loss.backward())
+    measured = planned_step(model, lambda: m(ids, labels=ids), loss=lambda out: out.loss, inductor=m).peak
     walked = m.planned.compiled.peak_bytes
     assert measured <= m.plan.budget_bytes
     assert measured <= walked <= 1.10 * measured, (measured, walked)
@@ -331,7 +317,7 @@ def test_a_value_every_layer_reads_is_computed_once_not_inside_each_layer(monkey
     assert len(readers) == (1 if stored else 3), readers
     if stored:
         assert "where" in readers[0] and "softmax" not in readers[0]
-    measured = _measured_step(m, model, lambda: m(x, keep).backward())
+    measured = planned_step(model, lambda: m(x, keep), inductor=m).peak
     assert measured == m.planned.compiled.peak_bytes
 
 
@@ -473,7 +459,7 @@ def test_a_first_step_measured_above_the_budget_warns_and_the_next_call_plans_un
         assert m.plan.budget_bytes <= budget - 4096
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), name
-        assert _measured_step(m, model, lambda: m(x).backward()) <= budget
+        assert planned_step(model, lambda: m(x), inductor=m).peak <= budget
     finally:
         _EXCESS.update(bytes=0, at_first_backward=None)
 

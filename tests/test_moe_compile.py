@@ -20,6 +20,7 @@ import moe_dist_worker as layer_worker
 import moe_peak_worker as peak_worker
 import moe_uneven_worker as uneven
 import remat_compiler
+from helpers import assert_same, run_step, token_step
 from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.moe import MoELayer
 from remat_compiler.moe.layer import fused_combine_mode
@@ -33,24 +34,11 @@ LAYER_ROLES = {"input", "router", "probs", "routing", "permute", "gemm1", "act",
 HAND_PICKED = ("save_all", "moe_origin", "moe_fast", "moe_custom")
 
 
-def assert_same_step(got: dict, want: dict, label: str, tol=TOL) -> None:
-    """Output and every gradient (input, router = the probs path, W1, W2 of every layer) agree."""
-    assert got.keys() == want.keys()
-    for name in want:
-        assert want[name] is not None and got[name] is not None, f"{label} {name}: no gradient"
-        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{label} {name}: {m}")
-
-
 def measured_peak(compiled, x, g) -> int:
-    """Live-storage peak of one step, after the first (tracing) call; the step creates its tangent."""
-    worker.run_step(compiled, x, g)
-    for p in compiled.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    with LiveStorageTracker() as mem:
-        out = compiled(x)
-        out.backward(g.clone())
-    return mem.peak_bytes
+    """Live-storage peak of one step, after the first (tracing) call; the step creates its tangent (a
+    copy of ``g``)."""
+    token_step(compiled, x, g)
+    return token_step(compiled, x, g.clone, measure=True)[1]
 
 
 def tags(cg, n):
@@ -67,7 +55,7 @@ def batch():
 
 @pytest.fixture(scope="module")
 def eager(batch):
-    return worker.run_step(worker.make_model(), *batch)
+    return token_step(worker.make_model(), *batch)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +105,7 @@ def test_moe_layer_segments_are_tagged(combine, batch):
 def test_every_strategy_matches_eager_on_one_rank(name, compiled, eager):
     module, got = compiled[name]
     assert module.plan.solver == name
-    assert_same_step(got, eager, name)
+    assert_same(got, eager, name, **TOL)
 
 
 def test_strategy_rules(compiled):
@@ -169,7 +157,7 @@ def test_cpsat_against_hand_picked_at_their_measured_peaks(compiled, measured, b
     for reference, budget in (("moe_origin", low), ("moe_fast", high), (None, (low + high) // 2)):
         module = remat_compiler.compile(worker.make_model(), memory_budget=budget, solver="cpsat",
                                         **worker.CPSAT_OPTIONS)
-        assert_same_step(worker.run_step(module, *batch), eager, f"cpsat at {budget}")
+        assert_same(token_step(module, *batch), eager, f"cpsat at {budget}", **TOL)
         plan = module.plan
         assert plan.status in ("optimal", "feasible")
         assert plan.peak_bytes <= budget
@@ -228,7 +216,7 @@ def _assert_choice_on_ranks(ranks):
         assert all("chosen in the one CP-SAT solve" in why for why in c["why"].values()), (r, c["why"])
         assert c["digest"] == first["digest"]
         assert c["source"] == ("solved" if r == 0 else "rank 0"), (r, c["source"])
-        assert_same_step(c["compiled"], c["eager"], f"rank {r} chosen combines")
+        assert_same(c["compiled"], c["eager"], f"rank {r} chosen combines", **TOL)
         assert c["peak"] == c["predicted"] <= c["budget"], (r, c["peak"], c["predicted"], c["budget"])
 
 
@@ -271,7 +259,7 @@ def test_expert_parallel_strategies(ep_ranks):
         # each rank's compiled step equals its eager step, for every strategy
         assert set(res["compiled"]) == {*(HAND_PICKED if world == 2 else worker.FOUR_RANK_STRATEGIES), "cpsat"}
         for name, got in res["compiled"].items():
-            assert_same_step(got, res["eager"], f"rank {r} {name}")
+            assert_same(got, res["eager"], f"rank {r} {name}", **TOL)
         # all ranks hold the identical plan (digests all-gathered on every rank)
         assert res["digests"] == ranks[0]["digests"] == [ranks[0]["digests"][0]] * world
         plans = res["plans"]
@@ -360,7 +348,7 @@ def test_expert_parallel_uneven_splits(ep_ranks):
                     raised.add((name, routing, r))
                     continue
                 label = f"{name} {routing} rank {r}"
-                assert_same_step(got, want, label)
+                assert_same(got, want, label, **TOL)
                 ref = reference[routing]
                 torch.testing.assert_close(want["loss"], ref["loss"][r], **TOL)
                 torch.testing.assert_close(want["x"], ref["x"][r], **TOL)
@@ -372,7 +360,7 @@ def test_expert_parallel_uneven_splits(ep_ranks):
                 # never above the budget
                 peaks = u["peaks"][name][routing]
                 assert max(peaks) <= budget and sorted(peaks)[len(peaks) // 2] == predicted, (label, peaks)
-            assert_same_step(u["after_overflow"][name], u["eager"][name]["random"], f"{name} after")
+            assert_same(u["after_overflow"][name], u["eager"][name]["random"], f"{name} after", **TOL)
         # the replicated routers' gradients sum over the ranks to the single-process one
         for routing in uneven.ROUTINGS:
             steps = [u["eager"][name][routing] for u in results]
@@ -423,10 +411,7 @@ def test_inductor_runs_the_expert_parallel_stack_on_two_ranks(ep_ranks):
     for r, res in enumerate(ranks):
         ind = res["inductor"]
         assert ind["runs as"] == "inductor", (r, ind["warnings"])
-        assert ind["grads"].keys() == ind["eager"].keys()
-        for k, want in ind["eager"].items():
-            torch.testing.assert_close(ind["grads"][k], want, rtol=1e-10, atol=1e-12,  # float64
-                                       msg=lambda m: f"rank {r} {k}: {m}")
+        assert_same(ind["grads"], ind["eager"], f"rank {r}", rtol=1e-10, atol=1e-12, none_ok=True)  # float64
         assert ind["measured"] <= ind["budget"], (r, ind)
         assert ind["measured"] <= ind["walked"] <= 1.10 * ind["measured"], (r, ind)
         assert ind["first step"] == ind["measured"], (r, ind)
@@ -460,12 +445,10 @@ MIXTRAL_IDS = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_s
 
 
 def mixtral_step(model):
-    params = dict(getattr(model, "original", model).named_parameters())
-    for p in params.values():
-        p.grad = None
-    out = model(input_ids=MIXTRAL_IDS, labels=MIXTRAL_IDS)
-    out.loss.backward()
-    return {"loss": out.loss.detach(), **{n: p.grad for n, p in params.items() if p.grad is not None}}
+    """The loss and every gradient the step reaches."""
+    got = run_step(model, lambda: model(input_ids=MIXTRAL_IDS, labels=MIXTRAL_IDS), loss=lambda out: out.loss,
+                   hold_outputs=True)
+    return {"loss": got.loss, **{n: g for n, g in got.grads.items() if g is not None}}
 
 
 def test_mixtral_segments_are_recognised():
@@ -509,7 +492,7 @@ def test_mixtral_plans_match_eager():
     def run(solver, budget=None):
         options = MIXTRAL_CPSAT if solver == "cpsat" else {}
         module = remat_compiler.compile(make_mixtral(), memory_budget=budget, solver=solver, **options)
-        assert_same_step(mixtral_step(module), want, f"{solver} at {budget}", MIXTRAL_TOL)
+        assert_same(mixtral_step(module), want, f"{solver} at {budget}", **MIXTRAL_TOL)
         plan = module.plan
         assert plan.budget_bytes is None or plan.peak_bytes <= plan.budget_bytes
         peaks[(solver, budget)] = plan.peak_bytes

@@ -6,8 +6,8 @@ import torch
 
 import remat_compiler as rc
 from remat_compiler.examples.gpt2 import build
+from helpers import assert_same, planned_step, run_step
 from remat_compiler.errors import PlanCheckError
-from remat_compiler.memory import LiveStorageTracker
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, simulate
 from remat_compiler.graph import block_boundary_set
@@ -16,19 +16,15 @@ from remat_compiler.solvers.cpsat.rerun import lower_peak
 pytest.importorskip("transformers")
 
 
-def _step(model, call):
-    for p in model.parameters():
-        p.grad = None
-    with LiveStorageTracker() as mem:
-        call().loss.backward()
-    return mem.peak_bytes, {n: p.grad.clone() for n, p in model.named_parameters()}
+def _loss(out):
+    return out.loss  # the caller lets the logits go before backward (hold_outputs=False)
 
 
 @pytest.fixture(scope="module")
 def gpt2():
     torch.manual_seed(0)
     model, inputs, _ = build(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=2, seq=64)
-    _, eager = _step(model, lambda: model(**inputs))
+    eager = run_step(model, lambda: model(**inputs), loss=_loss).grads
     _, cg = rc.analyze(model, (), inputs, hold_outputs=False)
     return model, inputs, eager, cg
 
@@ -39,11 +35,9 @@ def test_loss_only_backward_has_no_zero_gradient_for_the_logits(gpt2):
     model, inputs, eager, cg = gpt2
     assert [cg.attr(t, "shape") for t in cg.tangents] == [()]
     m = rc.compile(model, 0.6, hold_outputs=False, time_limit_s=5)
-    _step(model, lambda: m(**inputs))
-    peak, grads = _step(model, lambda: m(**inputs))
-    assert peak == m.plan.peak_bytes <= m.plan.budget_bytes
-    for n in eager:
-        assert torch.allclose(grads[n], eager[n], rtol=1e-5, atol=1e-6), n
+    got = planned_step(model, lambda: m(**inputs), loss=_loss)  # the first step traces and plans
+    assert got.peak == m.plan.peak_bytes <= m.plan.budget_bytes
+    assert_same(got.grads, eager, rtol=1e-5, atol=1e-6)
     out = m(**inputs)
     with pytest.raises(RuntimeError, match="hold_outputs=True"):
         (out.loss + out.logits.sum()).backward()
@@ -71,11 +65,9 @@ def test_reruns_lower_the_peak_and_run_exactly_as_simulated(gpt2):
     assert plan.recompute_flops == sum(cg.attr(n, "flops") for n in plan.recomputed)
     assert "recomputed again" in plan.explain()
     m = rc.compile(model, plan=plan, hold_outputs=False)
-    _step(model, lambda: m(**inputs))
-    peak, grads = _step(model, lambda: m(**inputs))
-    assert peak == plan.peak_bytes
-    for n in eager:
-        assert torch.allclose(grads[n], eager[n], rtol=1e-5, atol=1e-6), n
+    got = planned_step(model, lambda: m(**inputs), loss=_loss)  # the first step traces and plans
+    assert got.peak == plan.peak_bytes
+    assert_same(got.grads, eager, rtol=1e-5, atol=1e-6)
     # the reruns are part of the plan document: round trip, and an edit is detected
     back = Plan.from_json(plan.to_json())
     assert back.rerun == plan.rerun and back.schedule.to_json() == plan.schedule.to_json()
@@ -115,11 +107,9 @@ def test_budget_below_single_recompute_floor_is_met_with_reruns(gpt2):
     if lowest < low:
         assert rerun2 and not proven
     m = rc.compile(model, lowest, hold_outputs=False, time_limit_s=5, memo=memo)
-    _step(model, lambda: m(**inputs))
-    peak, grads = _step(model, lambda: m(**inputs))
-    assert peak == m.plan.peak_bytes <= lowest
-    for n in eager:
-        assert torch.allclose(grads[n], eager[n], rtol=1e-5, atol=1e-6), n
+    got = planned_step(model, lambda: m(**inputs), loss=_loss)  # the first step traces and plans
+    assert got.peak == m.plan.peak_bytes <= lowest
+    assert_same(got.grads, eager, rtol=1e-5, atol=1e-6)
 
 
 def test_solver_uses_reruns_below_what_single_recomputation_reaches(gpt2):

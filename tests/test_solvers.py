@@ -142,7 +142,7 @@ def test_the_warm_start_ends_by_its_share_and_the_search_gets_the_model_it_built
     FLOP-free heuristic plan under ``objective="flops"`` skips them."""
     from remat_compiler.solvers.cpsat import warmstart
     from remat_compiler.solvers.cpsat.run import Job
-    from tests.test_determinism import stack_graph
+    from helpers import stack_graph
 
     cg = stack_graph()
     budget = (rc.solve(cg, None, "checkpoint_blocks").peak_bytes + rc.solve(cg, None, "save_all").peak_bytes) // 2

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import remat_compiler as rc
-from remat_compiler.memory import LiveStorageTracker
+from helpers import SEED, assert_same, eager_step, planned_step
 from remat_compiler.solvers import solve
 from remat_compiler.solvers.cpsat import SolveMemo, min_feasible_peak
 
@@ -25,23 +25,12 @@ from remat_compiler.examples.zoo import FAMILIES, build  # noqa: E402
 from remat_compiler.solvers.moe import moe_segments  # noqa: E402
 
 TIME_LIMIT_S = 1
-SEED = 1234  # the same dropout masks in eager and compiled steps
-
-
-def _step(model, call, inputs):
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(SEED)
-    loss = call(**inputs)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _eager(model, inputs):
-    ref = copy.deepcopy(model)
-    _step(ref, ref, inputs)
-    loss, grads = _step(ref, ref, inputs)
-    return loss, grads, {n: b.clone() for n, b in ref.named_buffers()}
+    """Eager's second step (as the compiled module's measured one), seeded: loss, gradients, buffers."""
+    ref, got = eager_step(model, lambda ref: ref(**inputs), seed=SEED)
+    return got, {n: b.clone() for n, b in ref.named_buffers()}
 
 
 # family -> (its MoE segments, their kind, top-k): the default router settings, see examples.zoo
@@ -64,18 +53,14 @@ MOE_STRATEGIES = {"deepseek_v3": ("moe_origin", "moe_fast"), "olmoe": ("moe_fast
 
 
 def _assert_same(family, label, got, want):
-    (loss, grads), (eager_loss, eager_grads) = got, want
-    assert torch.allclose(loss, eager_loss, rtol=1e-5, atol=1e-6), (family, label)
-    for name, g in eager_grads.items():
-        assert (grads[name] is None) == (g is None), (family, label, name)
-        if g is not None:
-            assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-5), (family, label, name)
+    assert_same({"loss": got.loss}, {"loss": want.loss}, (family, label), rtol=1e-5, atol=1e-6)
+    assert_same(got.grads, want.grads, (family, label), rtol=1e-4, atol=1e-5, none_ok=True)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MOE_AT_ONE_BUDGET])
 def test_family_at_default_config(family):
     model, inputs, _ = build(family)
-    eager_loss, eager_grads, eager_buffers = _eager(model, inputs)
+    eager, eager_buffers = _eager(model, inputs)
     # the plans the smallest-budget search finds (with reruns, searched locally) reach the compiles
     # through the memo, as a budget sweep's do: a solve without it may not meet that budget again
     memo, found = SolveMemo(), {}
@@ -93,15 +78,13 @@ def test_family_at_default_config(family):
             budget = (found["smallest"] + found["no_recompute"]) // 2
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, solver=solver, time_limit_s=TIME_LIMIT_S, memo=memo)
-        _step(net, m, inputs)                                   # traces and plans
+        got = planned_step(net, lambda: m(**inputs), seed=SEED)  # the first step traces and plans
         if budget is None:
             budget = found["smallest"]
             assert budget <= found["no_recompute"], (family, found)
-        with LiveStorageTracker() as mem:
-            loss, grads = _step(net, m, inputs)
-        _assert_same(family, budget, (loss, grads), (eager_loss, eager_grads))
-        assert mem.peak_bytes <= budget, (family, budget, mem.peak_bytes)
-        assert mem.peak_bytes == m.plan.peak_bytes, (family, budget, mem.peak_bytes, m.plan.peak_bytes)
+        _assert_same(family, budget, got, eager)
+        assert got.peak <= budget, (family, budget, got.peak)
+        assert got.peak == m.plan.peak_bytes, (family, budget, got.peak, m.plan.peak_bytes)
         for name, b in net.named_buffers():
             assert torch.equal(b, eager_buffers[name]), (family, budget, name)
 
@@ -149,7 +132,7 @@ def test_moe_family_at_default_config(family):
     allclose to eager's, buffers equal, measured peak = predicted, under the budget, and origin <
     fast < no recompute."""
     model, inputs, _ = build(family)
-    eager_loss, eager_grads, eager_buffers = _eager(model, inputs)
+    eager, eager_buffers = _eager(model, inputs)
     peaks, no_recompute = {}, None
     # the choice on CP-SAT's deterministic time: its warm start's heuristics run to their end (1-2 s
     # here), which a 1 s wall-clock limit on a loaded machine cut short, leaving the search no plan
@@ -158,17 +141,15 @@ def test_moe_family_at_default_config(family):
     for solver, budget, options in runs:
         net = copy.deepcopy(model)
         m = rc.compile(net, memory_budget=budget, solver=solver, **options)
-        _step(net, m, inputs)                                   # traces and plans
+        got = planned_step(net, lambda: m(**inputs), seed=SEED)  # the first step traces and plans
         if no_recompute is None:  # CP-SAT's graph, with the combines it chose (the roles are the same)
             _assert_moe_segments(family, m.planned.cg, inputs["input_ids"].numel())
             _assert_combines_chosen(family, m.plan)
             no_recompute = m.plan.extras["fraction_base_bytes"]  # the model's own, as 0.9 is of it
-        with LiveStorageTracker() as mem:
-            got = _step(net, m, inputs)
-        _assert_same(family, solver, got, (eager_loss, eager_grads))
-        assert mem.peak_bytes == m.plan.peak_bytes, (family, solver, mem.peak_bytes, m.plan.peak_bytes)
-        assert m.plan.budget_bytes is None or mem.peak_bytes <= m.plan.budget_bytes, (family, solver)
-        peaks[solver] = mem.peak_bytes
+        _assert_same(family, solver, got, eager)
+        assert got.peak == m.plan.peak_bytes, (family, solver, got.peak, m.plan.peak_bytes)
+        assert m.plan.budget_bytes is None or got.peak <= m.plan.budget_bytes, (family, solver)
+        peaks[solver] = got.peak
         for name, b in net.named_buffers():  # DeepSeek's router bias, rotary tables
             assert torch.equal(b, eager_buffers[name]), (family, solver, name)
     ordered = [peaks[s] for s in ("moe_origin", "moe_fast") if s in peaks] + [no_recompute]

@@ -9,8 +9,8 @@ from remat_compiler.api import PlannedGraph
 from remat_compiler.budget import human_bytes, parse_budget
 from remat_compiler.cli.console import Console
 from remat_compiler.cli.exits import NothingFits
-from remat_compiler.cli.options import (batch_option, device_option, drop_outputs_option, dtype_option, seq_option,
-                                        time_limit_option)
+from remat_compiler.cli.options import (batch_option, device_option, drop_outputs_option, dtype_option, fsdp_option,
+                                        seq_option, time_limit_option)
 from remat_compiler.cli.params import BUDGET, writable
 from remat_compiler.cli.source import (build_hf_model, check_seq_flag, given_flags, hold_outputs_for, load_hf_config,
                                        note_model)
@@ -41,6 +41,7 @@ __all__ = ["fit"]
 @seq_option
 @dtype_option
 @device_option
+@fsdp_option
 @drop_outputs_option
 @time_limit_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "dot"]), default="table",
@@ -51,7 +52,7 @@ __all__ = ["fit"]
 @click.pass_context
 def fit(ctx: click.Context, hf_config: str, budget: str, seq_max: int | None, batch_max: int | None,
         step: int | None, batch: int, seq: int | None, dtype: str | None, device: str | None,
-        drop_outputs: bool | None, time_limit_s: float | None, fmt: str, output: str | None,
+        fsdp: int | None, drop_outputs: bool | None, time_limit_s: float | None, fmt: str, output: str | None,
         all_rows: bool) -> None:
     """The longest sequence (--seq-max) or largest batch (--batch-max) whose training step fits
     --budget, and the plan there: what it saves and recomputes.
@@ -84,7 +85,7 @@ def fit(ctx: click.Context, hf_config: str, budget: str, seq_max: int | None, ba
         b, s = shape(size)
         return plan_workload(console, causal_lm_workload(config, batch=b, seq=s, model=model), budget, "cpsat",
                              time_limit_s, hold_outputs=hold_outputs_for(drop_outputs, hf_config), device=device,
-                             label=f"{dim} {size}")
+                             label=f"{dim} {size}", fsdp=fsdp)
 
     result = fit_size(plan_at, sizes, on_probe=lambda probe: console.note(describe_probe(dim, probe)))
     step = sizes[0]  # the grid's step, the default resolved

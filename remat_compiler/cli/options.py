@@ -8,7 +8,8 @@ from remat_compiler.hf_config import DTYPES
 from remat_compiler.passes.costs import DEVICE_PRESETS
 
 __all__ = ["factory_argument", "factory_args_option", "time_limit_option", "drop_outputs_option", "hf_config_option",
-           "batch_option", "seq_option", "dtype_option", "device_option", "model_source"]
+           "batch_option", "seq_option", "dtype_option", "device_option", "fsdp_option",
+           "model_source"]
 
 
 factory_argument = click.argument("factory", metavar="MODULE:FACTORY")
@@ -52,11 +53,18 @@ device_option = click.option(
          "applied on the GPU with compile(model.cuda(), plan=Plan.load(path)).")
 
 
+fsdp_option = click.option(
+    "--fsdp", type=click.IntRange(min=2), default=None, metavar="N",
+    help="Plan one rank of an N-way FSDP2 step: every block of the model's repeated layers and then the "
+         "root sharded with fully_shard (as torchtitan does) over a fake process group, the rank's whole "
+         "step planned, each unit kept or gathered again in backward (docs/fsdp.md). The budget is per rank.")
+
+
 def model_source(command):
     """The options naming the model: MODULE:FACTORY (with --arg) or --hf-config (with --batch, --seq,
-    --dtype); read them with :func:`load_source`."""
+    --dtype), and --fsdp; read them with :func:`~remat_compiler.cli.source.load_source`."""
     options = [click.argument("factory", metavar="[MODULE:FACTORY]", required=False), factory_args_option,
-               hf_config_option, batch_option, seq_option, dtype_option]
+               hf_config_option, batch_option, seq_option, dtype_option, fsdp_option]
     for option in reversed(options):
         command = option(command)
     return command

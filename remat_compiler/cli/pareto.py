@@ -37,4 +37,4 @@ def pareto(ctx: click.Context, budgets: list[str], solver: str, strategies: list
     """
     console: Console = ctx.obj
     sweep_workload(console, load_source(ctx, console, source), budgets, solver, strategies, png, device,
-                   hold_outputs_for(drop_outputs, source["hf_config"]), time_limit_s)
+                   hold_outputs_for(drop_outputs, source["hf_config"]), time_limit_s, fsdp=source["fsdp"])

@@ -52,17 +52,18 @@ def plan(ctx: click.Context, budget: str | None, solver: str, fmt: str, output: 
     console: Console = ctx.obj
     if pareto_budgets is not None:
         given = given_flags(ctx, {"budget": "--budget", "load_path": "--load", "objective": "--objective",
-                             "plan_cache": "--plan-cache", "output": "--output", "fmt": "--format",
-                             "all_rows": "--all"})
+                                  "plan_cache": "--plan-cache", "output": "--output", "fmt": "--format",
+                                  "all_rows": "--all"})
         if given:
             raise click.UsageError(f"--pareto sweeps its own budgets into a table; {', '.join(given)} "
                                    "cannot be used with it")
         sweep_workload(console, load_source(ctx, console, source), pareto_budgets, solver, None, timeline, device,
-                       hold_outputs_for(drop_outputs, source["hf_config"]), time_limit_s)
+                       hold_outputs_for(drop_outputs, source["hf_config"]), time_limit_s, fsdp=source["fsdp"])
         return
     if load_path is not None:
         given = given_flags(ctx, {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
-                             "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device"})
+                                  "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device",
+                                  "fsdp": "--fsdp"})
         if given:
             raise click.UsageError(f"--load applies a saved plan; {', '.join(given)} cannot be "
                                    "used with it")
@@ -72,7 +73,7 @@ def plan(ctx: click.Context, budget: str | None, solver: str, fmt: str, output: 
         planned = apply_saved_plan(console, workload, load_path, hold_outputs=hold_outputs)
     else:
         planned = plan_workload(console, workload, budget, solver, time_limit_s, hold_outputs=hold_outputs,
-                                objective=objective, plan_cache=plan_cache, device=device)
+                                objective=objective, plan_cache=plan_cache, device=device, fsdp=source["fsdp"])
     emit_text(console, render(planned, fmt, all_rows), output)
     if timeline is not None:
         console.note(f"wrote timeline picture {write_timeline(planned, timeline)}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from remat_compiler.api import PlannedGraph, analyze, plan_model
+from remat_compiler.api import PlannedGraph, analyze, analyze_sharded, plan_model
 from remat_compiler.budget import human_bytes
 from remat_compiler.cli.console import Console, timed
 from remat_compiler.errors import PlanCheckError, PlanMismatchError
@@ -22,7 +22,7 @@ __all__ = ["plan_workload", "report_steps", "apply_saved_plan", "render", "emit_
 def plan_workload(console: Console, workload: Workload, budget: str | None, solver: str,
                   time_limit_s: float | None, *, hold_outputs: bool = True,
                   objective: str | None = None, plan_cache: str | None = None,
-                  device: str | None = None, label: str | None = None) -> PlannedGraph:
+                  device: str | None = None, label: str | None = None, fsdp: int | None = None) -> PlannedGraph:
     """The pipeline on the workload's step, with progress (labelled ``label``, default the solver's
     name) and step timings (``device``: a :data:`remat_compiler.passes.costs.DEVICE_PRESETS` name for the runtime
     estimate)."""
@@ -31,7 +31,7 @@ def plan_workload(console: Console, workload: Workload, budget: str | None, solv
                                               "objective": objective})
         planned = plan_model(workload.model, workload.args, workload.kwargs, budget, solver=solver,
                              hold_outputs=hold_outputs, plan_cache=plan_cache,
-                             cost_model=CostModel.preset(device) if device else None, **opts)
+                             cost_model=CostModel.preset(device) if device else None, fsdp=fsdp, **opts)
     report_steps(console, planned)
     if plan_cache is not None:
         console.note(f"plan {'read from' if planned.source == 'cache' else 'solved and written to'} "
@@ -100,12 +100,19 @@ def write_timeline(planned: PlannedGraph, path: str) -> str:
 
 
 def sweep_workload(console: Console, workload: Workload, budgets: list[str], solver: str, strategies: list[str] | None,
-                   png: str | None, device: str | None, hold_outputs: bool, time_limit_s: float | None) -> None:
+                   png: str | None, device: str | None, hold_outputs: bool, time_limit_s: float | None,
+                   fsdp: int | None = None) -> None:
     """The pareto table (``pareto``, ``plan --pareto``): ``solver`` at each budget, then the
-    hand-picked strategies, and its picture at ``png``."""
+    hand-picked strategies (not with ``fsdp``: they are for the unsharded model), and its picture
+    at ``png``."""
     with timed(console, "trace and annotate"):
-        _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver, hold_outputs=hold_outputs,
-                        cost_model=CostModel.preset(device) if device else None)
+        if fsdp is not None:
+            _, cg = analyze_sharded(workload.model, workload.args, workload.kwargs, fsdp=fsdp, solver=solver,
+                                    hold_outputs=hold_outputs, cost_model=CostModel.preset(device) if device else None)
+            strategies = []
+        else:
+            _, cg = analyze(workload.model, workload.args, workload.kwargs, solver=solver,
+                            hold_outputs=hold_outputs, cost_model=CostModel.preset(device) if device else None)
     with timed(console, "budget sweep"):
         rows = sweep_budgets(cg, budgets, solver=solver, time_limit_s=time_limit_s,
                              progress=console.progress_callback)

@@ -164,16 +164,19 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
         g = graphs["autograd" if mode == "shared" else mode]
         when = None if mode == "shared" else lit[mode][seg]
         for p in g.preds(n):
-            if g.attr(p, "phase") != "fw":
-                continue
-            o = cg.storage(p)
+            # a read through a backward view (a detach of the saved log-softmax) reads its forward
+            # storage too, as in the base model's storage_readers
+            o = g.storage(p)
+            if o is not None and g.attr(o, "phase") != "fw":
+                o = None
+            direct = g.attr(p, "phase") == "fw" and p in in_m
             if when is None:
-                if p in in_m:
+                if direct:
                     direct_first.setdefault(p, k)
                 if o is not None:
                     bw_last[o] = k
             else:
-                if p in in_m:
+                if direct:
                     cond_direct.setdefault(p, []).append((k, when))
                 if o is not None:
                     cond_last.setdefault(o, []).append((k, when))
