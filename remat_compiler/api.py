@@ -175,7 +175,6 @@ def _plans_for(device, cost_model: CostModel | None):
     return cost_model.device if cost_model is not None else None
 
 
-
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",
             cost_model: CostModel | None = None, plan: Plan | str | None = None, hold_outputs: bool = True,
             policy: Policy | None = None, plan_cache: PlanCache | str | os.PathLike | None = None,
@@ -197,7 +196,7 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         :class:`~remat_compiler.moe.MoELayer` s left at ``combine="autograd"`` and/or transformers
         MoE blocks whose experts can run the fused combine, ``"cpsat"`` also chooses each segment's
         combine, autograd or fused, in its one solve (:func:`chooses_combines`).
-    cost_model : passes.CostModel, optional
+    cost_model : remat_compiler.passes.CostModel, optional
         Compute rate and bandwidths for the runtime estimate.
     plan : Plan or str, optional
         Apply this saved plan (or its JSON text) instead of solving; it must be for the same
