@@ -47,6 +47,7 @@ from remat_compiler.solvers.combine_choice import MODES as COMBINE_MODES, align_
 from remat_compiler.solvers.cpsat.choice import solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.stamp import trace_stamped
+from remat_compiler.eager_paths import warn_fraction_of_uncheckpointed
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
                                   flatten_step, is_inplace_after_save, run_traced, signature_of_leaves, trace,
                                   trace_step, without_data)
@@ -178,6 +179,7 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
         gm, cg = annotate(joint, num_fwd_outputs, spec.cost_model)
     with _timed(spent, "solve"):
         plan, source = decide(cg, spec, memo=memo)
+    warn_fraction_of_uncheckpointed(spec.budget.fraction, cg.g.graph.get("trace_notes"), plan.baseline_peak_bytes)
     with _timed(spent, "check"):
         sim = check_plan(cg, plan)
     with _timed(spent, "emit"):
@@ -805,7 +807,7 @@ class CompiledModule(torch.nn.Module):
             spec = explain_unchosen(spec, self._orig_mod)
         entry.fn = aot_step(entry.step, self._partition(entry, spec))
         with spec.prepared(self._orig_mod):
-            return run_traced(entry.fn, self._orig_mod, inputs)
+            return run_traced(entry.fn, self._orig_mod, inputs, entry.step)
 
     def _trace_and_run_inductor(self, entry: _Entry, inputs: list[torch.Tensor]):
         """The Inductor backend's first call: plan, compile, and re-plan under a lower budget while
@@ -842,7 +844,7 @@ class CompiledModule(torch.nn.Module):
                                 bw_compiler=compilers.backward, decompositions=DECOMPOSITIONS)
             try:
                 with self._spec.prepared(self._orig_mod):
-                    out = run_traced(entry.fn, self._orig_mod, inputs)
+                    out = run_traced(entry.fn, self._orig_mod, inputs, entry.step)
             except CompiledOverBudget as over:
                 why = str(over)
                 over_at = min(over.limit_bytes, over.plan_peak_bytes)

@@ -1,0 +1,197 @@
+"""What users brought, third round (issue 33, ``shared/reviews/zoo3-c200a6f.md``): each model built
+as users build it, compiled, and checked against eager (loss, gradients, measured = predicted peak).
+
+- a kernel whose traced (fake) strides differ from the real kernel's (Qwen3-Next's softplus gate);
+- the model's own ``torch.utils.checkpoint`` with ``use_reentrant=True`` (transformers' recipe);
+- Mamba's mixer, which takes another algorithm when told it is compiling;
+- a fraction budget on a model that already checkpoints.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+
+import remat_compiler as rc
+from passes.strides import layout_differs
+from remat_compiler.eager_paths import FractionOfUncheckpointedWarning
+
+transformers = pytest.importorskip("transformers")
+from examples.zoo import LossOf, build  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _eager_and_compiled(model, kwargs: dict, **options):
+    """One eager step on a copy and one compiled step on another, measured; returns both copies,
+    the losses and the compiled module's measured peak."""
+    eager = copy.deepcopy(model)
+    loss_e = eager(**kwargs)
+    loss_e.backward()
+    m = rc.compile(copy.deepcopy(model), **options)
+    with rc.LiveStorageTracker() as tracker:
+        loss_c = m(**kwargs)
+        loss_c.backward()
+    return eager, m, loss_e, loss_c, tracker.peak_bytes
+
+
+def _assert_same_gradients(eager, m) -> None:
+    got = dict(m.original.named_parameters())
+    for name, p in eager.named_parameters():
+        assert (p.grad is None) == (got[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(got[name].grad, p.grad, **TOL, msg=name)
+
+
+class SoftplusGate(torch.nn.Module):
+    """The review's reduction of Qwen3-Next's gate: softplus, then a transposed use, so the gradient
+    reaching ``softplus_backward`` is transposed and autograd's reshape was traced as a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        for proj in self.projs:
+            x = F.softplus(proj(x)).transpose(1, 2).cumsum(-1).transpose(1, 2)
+        return x.sum()
+
+
+def test_an_op_whose_fake_strides_differ_from_the_real_kernel_is_found():
+    """softplus_backward's meta kernel returns contiguous strides for a transposed gradient, the CPU
+    kernel follows the gradient's layout: layout_differs runs the real kernel and sees it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = torch.fx.symbolic_trace(lambda g, x: torch.ops.aten.softplus_backward(g, x, 1, 20))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    with FakeTensorMode() as fm:
+        g = fm.from_tensor(torch.randn(2, 4, 48).transpose(1, 2))
+        x = fm.from_tensor(torch.randn(2, 48, 4))
+        node.meta["val"] = torch.ops.aten.softplus_backward(g, x, 1, 20)
+    for p, v in zip([n for n in gm.graph.nodes if n.op == "placeholder"], (g, x)):
+        p.meta["val"] = v
+    assert node.meta["val"].is_contiguous()
+    assert layout_differs(node)
+
+
+@pytest.mark.parametrize("budget", [None, 0.8])
+def test_a_view_traced_on_fake_strides_holds_on_the_real_run(budget):
+    torch.manual_seed(0)
+    model = SoftplusGate()
+    x = torch.randn(4, 96, 32)
+    eager, m, loss_e, loss_c, peak = _eager_and_compiled(model, {"x": x}, memory_budget=budget, time_limit_s=5)
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    _assert_same_gradients(eager, m)
+    assert peak == m.plan.peak_bytes
+    assert m.plan.budget_bytes is None or peak <= m.plan.budget_bytes
+
+
+def test_qwen3_next_at_its_defaults_trains_like_eager():
+    """The review's F1: a raw RuntimeError in the first backward at every budget, before."""
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = LossOf(transformers.Qwen3NextForCausalLM(cfg)).train()
+    ids = torch.randint(0, 512, (2, 48))
+    eager, m, loss_e, loss_c, peak = _eager_and_compiled(model, {"input_ids": ids, "labels": ids},
+                                                         memory_budget=None, time_limit_s=5)
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    _assert_same_gradients(eager, m)
+    assert peak == m.plan.peak_bytes
+
+
+class Reentrant(torch.nn.Module):
+    """Blocks under ``torch.utils.checkpoint(..., use_reentrant=True)``, as transformers' recipe runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                          for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = cp.checkpoint(b, x, use_reentrant=True)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+def test_a_reentrant_checkpoint_is_planned_through_with_eagers_gradients(input_requires_grad):
+    """Where no input requires grad the reentrant checkpoint gives its function's parameters no
+    gradient (eager warns and leaves them None): the compiled step does the same."""
+    torch.manual_seed(0)
+    model = Reentrant()
+    x = torch.randn(8, 16, requires_grad=input_requires_grad)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")  # eager's
+        eager = copy.deepcopy(model)
+        loss_e = eager(x)
+        if loss_e.requires_grad:
+            loss_e.backward()
+        m = rc.compile(copy.deepcopy(model), memory_budget=None)
+        if input_requires_grad:
+            loss_c = m(x)
+            loss_c.backward()
+            torch.testing.assert_close(loss_c, loss_e, **TOL)
+            _assert_same_gradients(eager, m)
+            assert "torch.utils.checkpoint (reentrant) planned through" in m.plan.explain()
+            assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
+        else:  # no gradient path at all, in eager and compiled alike
+            with pytest.warns(RuntimeWarning, match="no backward to plan"):
+                loss_c = m(x)
+            assert not loss_e.requires_grad and not loss_c.requires_grad
+            torch.testing.assert_close(loss_c, loss_e, **TOL)
+            assert all(p.grad is None for p in m.original.parameters())
+
+
+def test_transformers_reentrant_gradient_checkpointing_trains_like_eager():
+    """The review's F4: ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+    True})`` on Llama raised a raw torch RuntimeError while tracing."""
+    model, inputs, _ = build("llama")
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    eager, m, loss_e, loss_c, peak = _eager_and_compiled(model, inputs, memory_budget=None)
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    _assert_same_gradients(eager, m)
+    assert peak == m.plan.peak_bytes
+
+
+def test_a_fraction_budget_on_a_checkpointing_model_says_what_it_is_a_fraction_of():
+    model, inputs, _ = build("llama")
+    model.model.gradient_checkpointing_enable()  # transformers' default: non-reentrant
+    m = rc.compile(copy.deepcopy(model), memory_budget=0.7, time_limit_s=5)
+    with pytest.warns(FractionOfUncheckpointedWarning, match="not a fraction of the peak the model had"):
+        m(**inputs).backward()
+    text = m.plan.explain()
+    assert "torch.utils.checkpoint (non-reentrant) planned through" in text
+    assert "fraction budgets" in text and "without the model's own checkpointing" in text
+    m = rc.compile(copy.deepcopy(model), memory_budget=m.plan.baseline_peak_bytes, time_limit_s=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FractionOfUncheckpointedWarning)  # bytes: nothing to say
+        m(**inputs).backward()
+
+
+def test_mamba_is_planned_on_the_loop_eager_runs_not_the_compile_only_scan():
+    """The review's W1: under the trace's is_compiling() the mixer took its associative scan, whose
+    no-recompute peak was 1.60x eager's; the plan now follows eager's loop, says so, and leaves the
+    module's switch as it was."""
+    cfg = transformers.MambaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)
+    assert cfg.use_associative_scan  # the library's default
+    torch.manual_seed(0)
+    model = LossOf(transformers.MambaForCausalLM(cfg)).train()
+    ids = torch.randint(0, 512, (2, 48))
+    kwargs = {"input_ids": ids, "labels": ids}
+    ref = copy.deepcopy(model)
+    with rc.LiveStorageTracker() as tracker:
+        ref(**kwargs).backward()
+    eager, m, loss_e, loss_c, peak = _eager_and_compiled(model, kwargs, memory_budget=None)
+    assert m.plan.baseline_peak_bytes == tracker.peak_bytes == peak
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    _assert_same_gradients(eager, m)
+    assert "use_associative_scan=False while tracing" in m.plan.explain()
+    assert all(mod.use_associative_scan for mod in m.original.modules() if hasattr(mod, "use_associative_scan"))
