@@ -224,7 +224,13 @@ def checkpoint_round_trip(rank: int, out_dir: str) -> dict:
     chain_step(cm, batch)()
     after = _grads(model)
     keys_match = sorted(cm.state_dict()) == sorted(make_chain().state_dict())
-    return {"saved": saved, "loaded": loaded, "grads_after": after, "keys_match": keys_match}
+    entries = len(cm._entries)
+    model.eval()  # eval() on the FSDP2 model: the compiled module runs FSDP2 as it is, nothing traced
+    eval_out = cm(batch[0]).detach()
+    eval_ok = torch.equal(eval_out, model(batch[0]).detach())
+    model.train()
+    return {"saved": saved, "loaded": loaded, "grads_after": after, "keys_match": keys_match,
+            "eval_as_fsdp2": eval_ok and len(cm._entries) == entries}
 
 
 def _raised(make) -> tuple[str, str] | None:

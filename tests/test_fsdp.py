@@ -125,6 +125,7 @@ def test_checkpoint_round_trip(ranks):
         for k, want in d["saved"].items():
             assert torch.equal(d["loaded"][k], want), (r, k)
         assert all(torch.isfinite(g).all() for g in d["grads_after"].values()), r
+        assert d["eval_as_fsdp2"], r
 
 
 @pytest.mark.parametrize("case, words", [

@@ -59,11 +59,6 @@ class FSDPCompiledModule(CompiledModule):
     def load_state_dict(self, *args, **kwargs):
         return self.fsdp_module.load_state_dict(*args, **kwargs)
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self._orig_mod.training = mode
-        return self
-
     @torch._dynamo.disable
     def _step(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.fsdp_module.training:
