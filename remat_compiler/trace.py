@@ -24,6 +24,7 @@ from torch.func import functional_call
 from passes import keys
 from remat_compiler.eager_paths import as_eager_runs
 from remat_compiler.errors import UntraceableModelError
+from remat_compiler.trace_sites import IndexSite, boolean_index_sites, config_advice, user_frame
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
            "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
@@ -425,7 +426,12 @@ def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor], s
     except Exception as exc:  # re-raised with the failing op and user line named; never swallowed
         if _is_tracing_failure(exc):
             failed = annotator.running[-1] if annotator.running else None
-            raise UntraceableModelError(_describe_trace_failure(exc, failed)) from exc
+            sites = []
+            if user_frame(traceback.extract_tb(exc.__traceback__)) is None:  # raised in backward: trace again
+                with fx_traceback.preserve_node_meta(), _compiling(), as_eager_runs(model):
+                    sites = boolean_index_sites(lambda: fn(*flat),
+                                                lambda: annotator.running[-1][0] if annotator.running else "")
+            raise UntraceableModelError(_describe_trace_failure(exc, failed, sites, config_advice(model))) from exc
         raise
     finally:
         annotator.remove()
@@ -480,7 +486,11 @@ def _module_hint(failed: tuple[str, torch.nn.Module] | None) -> tuple[str, str |
     return where, None
 
 
-def _describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None) -> str:
+def _describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None,
+                            sites: Sequence[IndexSite] = (), advice: str | None = None) -> str:
+    """The message: the failing op, the model line (or, for a failure in backward, the model's
+    boolean-mask indexing lines, :func:`~remat_compiler.trace_sites.boolean_index_sites`), the
+    module, and what to do (the module's or the model family's advice where known)."""
     op = None
     for e in _exception_chain(exc):
         for token in str(e).replace("(", " ").replace(")", " ").replace(",", " ").split():
@@ -489,23 +499,21 @@ def _describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] 
                 break
         if op:
             break
-    user_frame = None
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/remat_compiler/" not in path and "/functorch/" not in path:
-            user_frame = frame
-            break
-    where = (f" at {user_frame.filename}:{user_frame.lineno} ({user_frame.line!s})"
-             if user_frame else "")
+    frame = user_frame(traceback.extract_tb(exc.__traceback__))
+    where = f" at {frame.filename}:{frame.lineno} ({frame.line!s})" if frame else ""
+    if not frame and sites:
+        where = (" in backward, from the boolean-mask indexing at " + "; ".join(map(str, sites))
+                 + " (its backward indexes by the mask, a shape that depends on the data)")
     what = f"op {op}" if op else f"{type(exc).__name__}"
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     in_module, why = _module_hint(failed)
     if why is not None:
         return (f"could not trace the model's training step: {what}{where}{in_module} has a "
                 f"data-dependent shape or value ({first_line}): {why}")
+    advice = f"; {advice}" if advice else ""
     return (f"could not trace the model's training step: {what}{where}{in_module} has a data-dependent "
             f"shape or value ({first_line}). Make that part static (fixed shapes, no .item()/.nonzero() on "
-            f"activations, no Python branching on tensor values) or run it outside the compiled module.")
+            f"activations, no Python branching on tensor values) or run it outside the compiled module{advice}.")
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, hold_outputs: bool = True,

@@ -195,3 +195,63 @@ def test_mamba_is_planned_on_the_loop_eager_runs_not_the_compile_only_scan():
     _assert_same_gradients(eager, m)
     assert "use_associative_scan=False while tracing" in m.plan.explain()
     assert all(mod.use_associative_scan for mod in m.original.modules() if hasattr(mod, "use_associative_scan"))
+
+
+def _wav2vec2(**fields):
+    cfg = transformers.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, conv_dim=(16,) * 7, num_conv_pos_embeddings=16,
+                                      num_conv_pos_embedding_groups=2, **fields)
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForCTC(cfg).train()
+
+
+class CTCInside(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels=None):
+        out = self.model(input_values=x, labels=labels)
+        return out.loss if labels is not None else out.logits.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("fields, labels, line", [
+    ({}, True, "labels.max() >= self.config.vocab_size"),
+    ({}, False, "if not skip_the_layer"),
+    ({"layerdrop": 0.0, "mask_time_prob": 0.5}, False, "hidden_states[mask_time_indices] ="),
+])
+def test_wav2vec2s_refusals_name_the_model_line_and_the_fields_to_set(fields, labels, line):
+    """The review's F3: each of the three data-dependent parts of the default step is named by its
+    model line (the third fails in backward, where no model frame is on the stack) and the message
+    says which config fields and which module make the step traceable."""
+    model = CTCInside(_wav2vec2(**fields))
+    x = torch.randn(2, 4000)
+    args = (x, torch.randint(1, 32, (2, 6))) if labels else (x,)
+    with pytest.raises(rc.UntraceableModelError) as err:
+        rc.compile(model, memory_budget=None)(*args)
+    text = str(err.value)
+    assert "modeling_wav2vec2.py:" in text and line in text
+    assert "config.layerdrop=0.0" in text and "config.apply_spec_augment=False" in text and "ctc_loss" in text
+
+
+def test_wav2vec2_trains_as_the_refusal_advises():
+    """With layerdrop and SpecAugment off and the CTC loss outside, the step compiles and trains like
+    eager (loss and gradients)."""
+    model = _wav2vec2(layerdrop=0.0, apply_spec_augment=False)
+    x, labels = torch.randn(2, 4000), torch.randint(1, 32, (2, 6))
+
+    def ctc(logits):
+        log_probs = logits.float().log_softmax(-1).transpose(0, 1)
+        lengths = torch.full((2,), log_probs.shape[0], dtype=torch.long)
+        return F.ctc_loss(log_probs, labels, lengths, torch.full((2,), 6, dtype=torch.long), blank=0)
+
+    eager = copy.deepcopy(model)
+    torch.manual_seed(123)  # the default config's dropout draws the same masks in both steps
+    loss_e = ctc(eager(input_values=x).logits)
+    loss_e.backward()
+    m = rc.compile(copy.deepcopy(model), memory_budget=None)
+    torch.manual_seed(123)
+    loss_c = ctc(m(input_values=x).logits)
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    _assert_same_gradients(eager, m)
