@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import remat_compiler as rc
+from helpers import run_step
 from benchmarks.fuzz import random_model
 from remat_compiler.solvers.cpsat.floors import FOUND
 
@@ -33,10 +34,8 @@ def busy():
 
 
 def _step_peak(m, x) -> int:
-    with rc.LiveStorageTracker() as tracker:
-        out = m(x)
-        (out[0] if isinstance(out, tuple) else out).backward()
-    return tracker.peak_bytes
+    return run_step(m, lambda: m(x), loss=lambda out: out[0] if isinstance(out, tuple) else out,
+                    hold_outputs=True, measure=True).peak
 
 
 @pytest.mark.parametrize("seed", SEEDS)
