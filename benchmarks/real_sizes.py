@@ -23,6 +23,7 @@ Run::
     python -m benchmarks.real_sizes                                  # both shapes, seq 4096/8192/16384
     python -m benchmarks.real_sizes --shapes 7b --seqs 8192 --markdown /tmp/rs.md --json /tmp/rs.json
     python -m benchmarks.real_sizes --shapes 7b --seqs 8192 --fractions 0.5       # the target point only
+    python -m benchmarks.real_sizes --fsdp 8 --seqs 8192 --fractions 0.5          # one rank of 8, FSDP2 (docs/fsdp.md)
 
 The sdpa kernels of these models trace as CPU kernels on a CPU-only build (a ``DeviceTraceWarning``
 says so): the plans are for that graph, which is the one a GPU build traces with
@@ -76,8 +77,10 @@ def _step_s(plan) -> float:
 
 
 def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None = None,
-               fractions=FRACTIONS, log=print) -> dict:
-    """Trace, analyse and plan one (shape, seq) point in this process; its result document."""
+               fractions=FRACTIONS, log=print, fsdp: int | None = None) -> dict:
+    """Trace, analyse and plan one (shape, seq) point in this process; its result document. With
+    ``fsdp``, one rank of an ``fsdp``-way FSDP2 step (:func:`remat_compiler.fsdp.planning.analyze_sharded`:
+    every layer and the root a unit, traced in full), each plan's units kept / re-gathered recorded."""
     import torch
 
     import remat_compiler
@@ -94,8 +97,13 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
     cost_model = CostModel.preset("h100")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the sdpa DeviceTraceWarning (module docstring)
-        gm, cg = remat_compiler.analyze(model, (), token_inputs(1, seq), cost_model=cost_model,
-                                        hold_outputs=False)
+        if fsdp is None:
+            gm, cg = remat_compiler.analyze(model, (), token_inputs(1, seq), cost_model=cost_model,
+                                            hold_outputs=False)
+        else:
+            from remat_compiler.fsdp.planning import analyze_sharded
+            gm, cg = analyze_sharded(model, (), token_inputs(1, seq), fsdp=fsdp, cost_model=cost_model,
+                                     hold_outputs=False)
     trace_s = time.perf_counter() - t0
     stamped = keys.STAMPED in gm.meta
     log(f"[real_sizes] {shape} seq {seq}: traced in {trace_s:.1f} s ({len(cg.fw_order)} forward nodes"
@@ -104,7 +112,7 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
     save_all = remat_compiler.solve(cg, None, "save_all")
     ckpt = remat_compiler.solve(cg, None, "checkpoint_blocks")
     baselines_s = time.perf_counter() - t1
-    doc = {"shape": shape, "seq": seq, "batch": 1, "dtype": "bfloat16", "device": "h100",
+    doc = {"shape": shape if fsdp is None else f"{shape} FSDP {fsdp}", "seq": seq, "batch": 1, "dtype": "bfloat16", "device": "h100",
            "forward_nodes": len(cg.fw_order), "trace_s": trace_s, "stamped": stamped, "baselines_s": baselines_s,
            "time_limit_s": limit,
            "workers": workers,
@@ -121,7 +129,8 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
         wall = time.perf_counter() - t1
         row = {"fraction": frac, "label": label, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
                "flop_ratio": _flop_ratio(plan), "step_s": _step_s(plan), "solve_s": wall, "solve_limit_s": left,
-               "status": plan.status, "gap": plan.gap, "end_to_end_s": trace_s + baselines_s + wall}
+               "status": plan.status, "gap": plan.gap, "end_to_end_s": trace_s + baselines_s + wall,
+               "regather_bytes": plan.recompute_comm_bytes}
         doc["plans"].append(row)
         log(f"[real_sizes] {shape} seq {seq} @{label}: {plan.peak_bytes / GIB:.2f} GiB, FLOP ratio "
             f"{row['flop_ratio']:.4f}, {plan.status}, gap {plan.gap:.4f}, {wall:.1f} s (end to end, from "
@@ -131,8 +140,10 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
 
 
 def _run_in_child(shape: str, seq: int, workers: int, time_limit_s: float | None,
-                  fractions: str | None = None) -> dict:
+                  fractions: str | None = None, fsdp: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.real_sizes", "--one", shape, str(seq), "--workers", str(workers)]
+    if fsdp is not None:
+        cmd += ["--fsdp", str(fsdp)]
     if time_limit_s is not None:
         cmd += ["--time-limit", str(time_limit_s)]
     if fractions is not None:
@@ -229,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default=None,
                     help=f"comma-separated budgets to solve, of {','.join(str(f) for f, _ in FRACTIONS)} "
                          "(default: all; 0.5 is the targets' halfway point)")
+    ap.add_argument("--fsdp", type=int, default=None, metavar="N",
+                    help="plan one rank of an N-way FSDP2 step (docs/fsdp.md): rows '<shape> FSDP N'")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "SEQ"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     fractions = FRACTIONS
@@ -239,7 +252,8 @@ def main(argv=None) -> int:
             ap.error(f"--fractions: each of {args.fractions} must be one of {[f for f, _ in FRACTIONS]}")
     if args.one:
         doc = plan_point(args.one[0], int(args.one[1]), workers=args.workers, time_limit_s=args.time_limit,
-                         fractions=fractions, log=lambda m: print(m, file=sys.stderr, flush=True))
+                         fractions=fractions, log=lambda m: print(m, file=sys.stderr, flush=True),
+                         fsdp=args.fsdp)
         print(json.dumps(doc))
         return 0
     shapes = args.shapes.split(",")
@@ -253,7 +267,7 @@ def main(argv=None) -> int:
         docs = []
         for shape in shapes:
             for seq in (int(s) for s in args.seqs.split(",")):
-                docs.append(_run_in_child(shape, seq, args.workers, args.time_limit, args.fractions))
+                docs.append(_run_in_child(shape, seq, args.workers, args.time_limit, args.fractions, args.fsdp))
                 if args.json:
                     _write(args.json, json.dumps(docs, indent=1))
     section = format_section(docs, "python -m benchmarks.real_sizes", args.machine)

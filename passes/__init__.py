@@ -1,10 +1,12 @@
 """Graph passes: steps ``GraphModule -> GraphModule`` that talk only through ``meta["remat.*"]`` keys.
 
-:data:`PASSES` is the whole list, in order. The first four rewrite the graph: dead code goes, repeated
+:data:`PASSES` is the whole list, in order. The first five rewrite the graph: dead code goes, repeated
 index work is merged (:func:`merge_repeated_index_work`), then
 :func:`remat_compiler.passes.rng.replayable_dropout` makes dropout replay its RNG state where it is recomputed, and
 :func:`remat_compiler.passes.loss.fuse_cross_entropy_backward` rewrites cross-entropy's backward into one op (it
-holds two logits-sized tensors instead of three). The rest only annotate. Every key the passes write
+holds two logits-sized tensors instead of three), and :func:`remat_compiler.passes.strides.traced_layouts` gives an
+op whose real kernel lays its output out otherwise than its traced (fake) value the traced layout,
+where a traced ``view`` depends on it. The rest only annotate. Every key the passes write
 or read, with its meaning and its writer, is in :mod:`remat_compiler.passes.keys`.
 
 Each pass changes the GraphModule it is given, in place, and returns it.
@@ -33,11 +35,12 @@ from remat_compiler.passes.moe import tag_moe_segments
 from remat_compiler.passes.phases import annotate_phases, forward_nodes
 from remat_compiler.passes.rng import replayable_dropout
 from remat_compiler.passes.storage import annotate_storage, calibrate_scalar_storage
+from remat_compiler.passes.strides import traced_layouts
 
 __all__ = ["run_passes", "PASSES", "Pass", "CostModel", "eliminate_dead_code", "merge_repeated_index_work",
            "annotate_phases",
            "annotate_storage", "calibrate_scalar_storage", "annotate_costs", "annotate_blocks",
-           "tag_moe_segments", "fuse_cross_entropy_backward", "replayable_dropout"]
+           "tag_moe_segments", "fuse_cross_entropy_backward", "replayable_dropout", "traced_layouts"]
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
@@ -158,6 +161,7 @@ PASSES: tuple[Pass, ...] = (
     Pass(merge_repeated_index_work, ("num_fwd_outputs",)),
     Pass(replayable_dropout),
     Pass(fuse_cross_entropy_backward),
+    Pass(traced_layouts),
     Pass(annotate_phases, ("num_fwd_outputs",)),
     Pass(annotate_storage, ("cost_model",)),
     Pass(calibrate_scalar_storage),

@@ -21,7 +21,7 @@ __all__ = [
     "PHASE", "STORAGE", "BYTES", "REAL_BYTES", "TUPLE", "FLOPS", "RUNTIME_S", "COMM_BYTES", "NEVER_RECOMPUTE", "REASON",
     "RECOMPUTE_UNREAD", "MODULE", "BLOCK", "MOE", "MUTATED_INPUT",
     # gm.meta
-    "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS", "DEVICE", "TRACED_ON", "STAMPED",
+    "NUM_FWD_OUTPUTS", "INPUT_UPDATES", "BLOCK_CONTAINER", "HOLD_OUTPUTS", "DEVICE", "TRACED_ON", "TRACE_NOTES", "STAMPED",
     "ALLOCATOR", "COST_MODEL",
     # node.meta["custom"]
     "TRACE_MODULE", "TRACE_MODULE_CLASS",
@@ -77,6 +77,9 @@ DEVICE = "remat.device"
 #: The device type the trace ran its tensors on, where it is not DEVICE (a CUDA plan traced on a
 #: CPU-only build of PyTorch: "cpu"); absent otherwise                  (remat_compiler.trace)
 TRACED_ON = "remat.traced_on"
+#: What the trace changed to follow the path eager runs (compile-only switches set back, the model's
+#: own checkpointing planned through), one sentence each         (remat_compiler.eager_paths)
+TRACE_NOTES = "remat.trace_notes"
 #: Where the graph was stamped from traces of a few of its identical layers, not traced in full:
 #: ``(container path, layers, layer counts traced)``; absent after a full trace  (remat_compiler.stamp)
 STAMPED = "remat.stamped"

@@ -22,15 +22,21 @@ class InfeasibleBudgetError(RematError, ValueError):
     proven : bool
         Whether that smallest peak is proven minimal (else it is the best the solver found in time,
         and a smaller budget may still be feasible).
+    plan : Plan or None
+        The plan that reaches ``min_feasible_bytes``, where the solver found one:
+        ``compile(model, memory_budget=exc.min_feasible_bytes, plan=exc.plan)`` applies it. A later
+        CP-SAT solve of the same graph in this process starts from it too
+        (:mod:`remat_compiler.solvers.cpsat.floors`), so the budget named is accepted.
     """
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, proven: bool = True,
-                 advice: str = "or a larger time_limit_s to search further"):
+                 advice: str = "or a larger time_limit_s to search further", plan=None):
         from remat_compiler.budget import human_bytes
 
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
         self.proven = bool(proven)
+        self.plan = plan
         if proven:
             super().__init__(
                 f"memory budget {budget_bytes} bytes ({human_bytes(budget_bytes)}) is infeasible: the "
@@ -42,6 +48,9 @@ class InfeasibleBudgetError(RematError, ValueError):
                 f"within the time limit: the smallest feasible budget found is {min_feasible_bytes} "
                 f"bytes ({human_bytes(min_feasible_bytes)}), not proven minimal; pass memory_budget >= "
                 f"{min_feasible_bytes}, {advice}")
+        if plan is not None:
+            self.args = (self.args[0] + "; the error's .plan is the plan found at that peak (plan=exc.plan "
+                         "applies it)",)
 
     def account(self, *, exact: bool = False) -> str:
         """``needs >= X`` where that is proven, else that no plan was found in the time limit, and the

@@ -228,7 +228,7 @@ class CompiledModule(torch.nn.Module):
                                 lambda: trace_step(entry.step, self._orig_mod, entry.example))
         entry.fn = aot_step(entry.step, self._partition(entry, spec))
         with spec.prepared(self._orig_mod):
-            return run_traced(entry.fn, self._orig_mod, inputs)
+            return run_traced(entry.fn, self._orig_mod, inputs, entry.step)
 
     def _gated(self, record: GradRecord, inputs: list[torch.Tensor]):
         positions = tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad)

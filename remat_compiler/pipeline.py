@@ -29,6 +29,7 @@ from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.check import check_emitted, check_plan
 from remat_compiler.clock import MIN_SLICE_S, Deadline, check_time_limit
 from remat_compiler.codegen import emit
+from remat_compiler.eager_paths import warn_fraction_of_uncheckpointed
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.errors import PlanMismatchError
 from remat_compiler.fusion import fusible_recompute
@@ -181,6 +182,7 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
         gm, cg = annotate(joint, num_fwd_outputs, spec.cost_model)
     with timed(spent, "solve"):
         plan, source = decide(cg, spec, memo=memo)
+    warn_fraction_of_uncheckpointed(spec.budget.fraction, cg.g.graph.get("trace_notes"), plan.baseline_peak_bytes)
     with timed(spent, "check"):
         sim = check_plan(cg, plan)
     with timed(spent, "emit"):

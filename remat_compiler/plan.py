@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from remat_compiler.budget import human_bytes
+from remat_compiler.eager_paths import CHECKPOINT_NOTE
 from remat_compiler.graph import CostGraph
 from remat_compiler.errors import PlanMismatchError
 from remat_compiler.passes.files import atomic_write_text
@@ -156,6 +157,11 @@ class Plan:
         if fused:
             head.append(f"for Inductor      {len(fused)} pointwise values recomputed, not saved: their readers are "
                         f"all pointwise, so Inductor fuses them (remat_compiler.fusion)")
+        for i, note in enumerate(self.extras.get("trace_notes") or ()):
+            head.append(f"{'traced as eager' if i == 0 else '':<17} {note}")
+        if any(n.startswith(CHECKPOINT_NOTE) for n in self.extras.get("trace_notes") or ()):
+            head.append(f"{'fraction budgets':<17} are of the no-recompute peak above "
+                        f"({human_bytes(self.baseline_peak_bytes)}): the step without the model's own checkpointing")
         head += _combine_lines(self.extras.get("moe_combine") or {})
         if self.extras.get("fsdp_units"):
             from remat_compiler.fsdp.choices import unit_lines
@@ -321,6 +327,8 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
     facts = {"device": cg.device, "allocator": cg.allocator}
     if cg.g.graph.get("traced_on"):
         facts["traced_on"] = cg.g.graph["traced_on"]
+    if cg.g.graph.get("trace_notes"):
+        facts["trace_notes"] = list(cg.g.graph["trace_notes"])
     if cg.g.graph.get("cost_model") is not None:
         facts["cost_model"] = dict(cg.g.graph["cost_model"])
     combine = moe_combine_of(cg)

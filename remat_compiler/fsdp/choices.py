@@ -16,13 +16,12 @@ FSDP unit         layers.0: re-gathered in backward (12 KiB sent again); keeping
 """
 from __future__ import annotations
 
-import networkx as nx
+import time
 
-from remat_compiler.passes.c10d import is_collective  # noqa: F401  (the rule the graph's collectives follow)
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import build_schedule, save_all_set, simulate
 
-__all__ = ["unit_values", "record_unit_choices", "fixed_reshard", "unit_lines"]
+__all__ = ["unit_values", "record_unit_choices", "fixed_reshard", "unit_lines", "COMPARE_S"]
 
 _GATHER = "all_gather_into_tensor"
 
@@ -84,16 +83,22 @@ def fixed_reshard(cg: CostGraph, values: set[str], reshard_after_forward: bool) 
     return [v for v in cg.candidates if v in read], []
 
 
-def record_unit_choices(planned, units) -> None:
+#: Seconds :func:`record_unit_choices` spends simulating flipped choices (one simulation of the whole
+#: step per unit); the units past it are recorded without the comparison.
+COMPARE_S = 20.0
+
+
+def record_unit_choices(planned, units, *, compare_s: float = COMPARE_S) -> None:
     """Write each unit's choice and why into ``planned.plan.extras["fsdp_units"]`` (a list, one
     dict per unit in forward order: ``unit``, ``choice`` ("kept" or "re-gathered"),
     ``unsharded_bytes``, ``regather_comm_bytes``, ``flipped_peak_bytes``,
-    ``flipped_recompute_s``, ``why``)."""
+    ``flipped_recompute_s``, ``why``). The flipped figures come from one simulation per unit, for
+    ``compare_s`` seconds at most; past it they are None and ``why`` says so."""
     cg, plan = planned.cg, planned.plan
     per_unit = unit_values(cg, [len(u.params) for u in units])
     saved, recomputed = set(plan.saved), set(plan.recomputed)
     candidates = set(save_all_set(cg))
-    records = []
+    records, started = [], time.perf_counter()
     for unit, uv in sorted(zip(units, per_unit), key=lambda x: cg.fw_index.get(x[1]["gather"], 1 << 30)):
         gather = uv["gather"]
         if gather is None:
@@ -104,14 +109,17 @@ def record_unit_choices(planned, units) -> None:
             flipped = (saved - uv["values"]) | kept_vals
         else:
             flipped = saved - uv["values"]
-        sim = simulate(cg, build_schedule(cg, sorted(flipped)))
         comm = int(cg.attr(gather, "comm_bytes"))
         unsharded = int(cg.attr(gather, "bytes"))
-        records.append({
-            "unit": unit.label, "choice": "re-gathered" if regathered else "kept",
-            "unsharded_bytes": unsharded, "regather_comm_bytes": comm,
-            "flipped_peak_bytes": sim.peak_bytes, "flipped_recompute_s": sim.recompute_s,
-            "why": _why(regathered, plan, sim, unsharded, comm)})
+        record = {"unit": unit.label, "choice": "re-gathered" if regathered else "kept",
+                  "unsharded_bytes": unsharded, "regather_comm_bytes": comm,
+                  "flipped_peak_bytes": None, "flipped_recompute_s": None,
+                  "why": f"not compared with the other choice (past {compare_s:.0f} s of comparisons)"}
+        if time.perf_counter() - started < compare_s:
+            sim = simulate(cg, build_schedule(cg, sorted(flipped)))
+            record.update(flipped_peak_bytes=sim.peak_bytes, flipped_recompute_s=sim.recompute_s,
+                          why=_why(regathered, plan, sim, unsharded, comm))
+        records.append(record)
     plan.extras["fsdp_units"] = records
 
 

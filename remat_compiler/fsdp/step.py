@@ -54,6 +54,18 @@ class ShardedStep(torch.nn.Module):
         self._sources: dict[str, torch.Tensor] = {}
         self.refresh()
 
+    # training mode is the model's: model.eval() / model.train() on the FSDP2 model count here too
+    @property
+    def training(self) -> bool:
+        model = self.__dict__.get("_modules", {}).get("model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_modules", {}).get("model")
+        if model is not None and model.training != mode:
+            model.train(mode)
+
     # the shards are this module's parameters; the model's DTensor parameters are not
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return super().named_parameters(prefix, recurse=False, remove_duplicate=remove_duplicate)

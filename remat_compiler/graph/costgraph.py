@@ -26,7 +26,8 @@ Graph attributes: ``fw_outputs`` / ``bw_outputs`` (node names, None for absent g
 AOTAutograd writes back into the inputs and drops), ``block_container``, ``hold_outputs`` (whether
 the caller keeps the model's outputs through backward),
 ``device`` (the device type the step runs on), ``traced_on`` (the device type the trace ran on
-where it is not ``device``, else None: a CUDA plan traced on a CPU-only build), ``allocator`` (the
+where it is not ``device``, else None: a CUDA plan traced on a CPU-only build), ``trace_notes`` (what
+the trace changed to follow eager's path, :mod:`remat_compiler.eager_paths`), ``allocator`` (the
 :mod:`remat_compiler.passes.allocator` model ``bytes`` are counted in), ``cost_model`` (the fields of the cost
 model the runtimes come from, or None), ``fingerprint`` (see :meth:`CostGraph.fingerprint`).
 """
@@ -124,6 +125,7 @@ class CostGraph:
         g.graph["hold_outputs"] = bool(gm.meta[keys.HOLD_OUTPUTS])
         g.graph["device"] = gm.meta.get(keys.DEVICE, "cpu")
         g.graph["traced_on"] = gm.meta.get(keys.TRACED_ON)
+        g.graph["trace_notes"] = list(gm.meta.get(keys.TRACE_NOTES, ()))
         g.graph["allocator"] = gm.meta.get(keys.ALLOCATOR, "exact")
         g.graph["cost_model"] = gm.meta.get(keys.COST_MODEL)
         cg = cls(g)

@@ -135,7 +135,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
                             bw_compiler=compilers.backward, decompositions=inductor.DECOMPOSITIONS)
         try:
             with spec.prepared(model):
-                out = run_traced(entry.fn, model, inputs)
+                out = run_traced(entry.fn, model, inputs, entry.step)
         except CompiledOverBudget as over:
             why = str(over)
             over_at = min(over.limit_bytes, over.plan_peak_bytes)

@@ -12,6 +12,7 @@ the device it is planned for, and :mod:`.failures` says why a trace failed and w
 from __future__ import annotations
 
 import contextlib
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,10 +24,12 @@ from torch._functorch.aot_autograd import aot_function
 from torch.func import functional_call
 
 from remat_compiler.passes import keys
+from remat_compiler.eager_paths import as_eager_runs
 from remat_compiler.errors import UntraceableModelError
 from remat_compiler.trace.device import (META_PLANS_FOR, DeviceTraceWarning, tensors_for_planning, trace_device,
                                          warn_cpu_only_ops, without_data)
 from remat_compiler.trace.failures import describe_trace_failure, is_tracing_failure
+from remat_compiler.trace_sites import boolean_index_sites, config_advice, user_frame
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
            "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
@@ -68,6 +71,7 @@ class StepFunction:
     no_grad_positions: list[int] = field(default_factory=list)  # outputs returned without a gradient
     mutated_positions: set[int] = field(default_factory=set)  # flat inputs the step mutates in place
     plans_for: str | None = None  # the device type planned for, where the trace ran on another one
+    trace_notes: list[str] = field(default_factory=list)  # what tracing changed (remat_compiler.eager_paths)
 
     @property
     def num_state(self) -> int:
@@ -154,11 +158,13 @@ def annotate_joint(joint: fx.GraphModule, step: StepFunction) -> fx.GraphModule:
     forward's, so nothing that reads them may be recomputed there (:mod:`remat_compiler.passes.costs`).
     ``gm.meta["remat.device"]``: the device type the step runs on (the traced tensors', or
     ``step.plans_for`` when the trace ran on the CPU in place of CUDA, then also
-    ``gm.meta["remat.traced_on"] = "cpu"``).
+    ``gm.meta["remat.traced_on"] = "cpu"``). ``gm.meta["remat.trace_notes"]``: what the trace changed
+    to follow eager's path (:mod:`remat_compiler.eager_paths`).
     """
     from remat_compiler.passes.storage import step_device
 
     joint.meta[HOLD_OUTPUTS_KEY] = step.hold_outputs
+    joint.meta[keys.TRACE_NOTES] = list(step.trace_notes)
     traced_on = step_device(joint)
     joint.meta[keys.DEVICE] = step.plans_for or traced_on
     if step.plans_for is not None and step.plans_for != traced_on:
@@ -295,11 +301,15 @@ def aot_step(step: StepFunction, partition_fn: Callable, *, fw_compiler: Callabl
                         decompositions=decompositions)
 
 
-def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
-    """Call an AOT-wrapped step with module annotation on; map tracing failures to clear errors."""
+def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor], step: StepFunction | None = None):
+    """Call an AOT-wrapped step with module annotation on, tracing the path eager runs
+    (:func:`~remat_compiler.eager_paths.as_eager_runs`, its notes kept in ``step.trace_notes``); map
+    tracing failures to clear errors."""
     annotator = _ModuleAnnotator(model)
     try:
-        with fx_traceback.preserve_node_meta(), _compiling():
+        with fx_traceback.preserve_node_meta(), _compiling(), as_eager_runs(model) as notes:
+            if step is not None:
+                step.trace_notes = notes
             return fn(*flat)
     except _JointCaptured:
         raise
@@ -308,7 +318,12 @@ def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor]):
     except Exception as exc:  # re-raised with the failing op and user line named; never swallowed
         if is_tracing_failure(exc):
             failed = annotator.running[-1] if annotator.running else None
-            raise UntraceableModelError(describe_trace_failure(exc, failed)) from exc
+            sites = []
+            if user_frame(traceback.extract_tb(exc.__traceback__)) is None:  # raised in backward: trace again
+                with fx_traceback.preserve_node_meta(), _compiling(), as_eager_runs(model):
+                    sites = boolean_index_sites(lambda: fn(*flat),
+                                                lambda: annotator.running[-1][0] if annotator.running else "")
+            raise UntraceableModelError(describe_trace_failure(exc, failed, sites, config_advice(model))) from exc
         raise
     finally:
         annotator.remove()
@@ -381,7 +396,7 @@ def trace_step(step: StepFunction, model: torch.nn.Module, flat: list, *, device
 
     fn = aot_step(step, capture)
     try:
-        run_traced(fn, model, tensors_for_planning(flat, trace_as))
+        run_traced(fn, model, tensors_for_planning(flat, trace_as), step)
     except _JointCaptured as captured:
         if step.plans_for is not None:
             warn_cpu_only_ops(captured.joint, step.plans_for)

@@ -3,9 +3,11 @@ to do instead (:func:`describe_trace_failure`)."""
 from __future__ import annotations
 
 import traceback
+from typing import Sequence
 
 import torch
 
+from remat_compiler.trace_sites import IndexSite, user_frame
 
 __all__ = ["is_tracing_failure", "describe_trace_failure"]
 
@@ -48,9 +50,12 @@ def _module_hint(failed: tuple[str, torch.nn.Module] | None) -> tuple[str, str |
     return where, None
 
 
-def describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None) -> str:
-    """One sentence on a failed trace: the op, the user's line, the module (``failed``: its path and
-    module, where known) and what to do instead."""
+def describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] | None = None,
+                           sites: Sequence[IndexSite] = (), advice: str | None = None) -> str:
+    """The message: the failing op, the model line (or, for a failure in backward, the model's
+    boolean-mask indexing lines, :func:`~remat_compiler.trace_sites.boolean_index_sites`), the
+    module (``failed``: its path and module, where known), and what to do (the module's or the model
+    family's advice where known)."""
     op = None
     for e in _exception_chain(exc):
         for token in str(e).replace("(", " ").replace(")", " ").replace(",", " ").split():
@@ -59,20 +64,18 @@ def describe_trace_failure(exc: Exception, failed: tuple[str, torch.nn.Module] |
                 break
         if op:
             break
-    user_frame = None
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/remat_compiler/" not in path and "/functorch/" not in path:
-            user_frame = frame
-            break
-    where = (f" at {user_frame.filename}:{user_frame.lineno} ({user_frame.line!s})"
-             if user_frame else "")
+    frame = user_frame(traceback.extract_tb(exc.__traceback__))
+    where = f" at {frame.filename}:{frame.lineno} ({frame.line!s})" if frame else ""
+    if not frame and sites:
+        where = (" in backward, from the boolean-mask indexing at " + "; ".join(map(str, sites))
+                 + " (its backward indexes by the mask, a shape that depends on the data)")
     what = f"op {op}" if op else f"{type(exc).__name__}"
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     in_module, why = _module_hint(failed)
     if why is not None:
         return (f"could not trace the model's training step: {what}{where}{in_module} has a "
                 f"data-dependent shape or value ({first_line}): {why}")
+    advice = f"; {advice}" if advice else ""
     return (f"could not trace the model's training step: {what}{where}{in_module} has a data-dependent "
             f"shape or value ({first_line}). Make that part static (fixed shapes, no .item()/.nonzero() on "
-            f"activations, no Python branching on tensor values) or run it outside the compiled module.")
+            f"activations, no Python branching on tensor values) or run it outside the compiled module{advice}.")

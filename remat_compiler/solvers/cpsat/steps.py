@@ -13,13 +13,14 @@ from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, no_recompute, peak_of
 from remat_compiler.solvers.cpsat.costs import flops_status
+from remat_compiler.solvers.cpsat.floors import FOUND
 from remat_compiler.solvers.cpsat.lp import lp_bound
 from remat_compiler.solvers.cpsat.minpeak import Floor, lowest_peak
 from remat_compiler.solvers.cpsat.model import RematModel, build_model, hint
 from remat_compiler.solvers.cpsat.run import Job, Progress
 from remat_compiler.solvers.cpsat.warmstart import Seed
 
-__all__ = ["Found", "NotFound", "SHARES", "floor_first", "formulate", "search", "below_floor", "peak_at_cost", "finish"]
+__all__ = ["Found", "NotFound", "SHARES", "infeasible", "floor_first", "formulate", "search", "below_floor", "peak_at_cost", "finish"]
 
 #: The shares of the time limit T (or of what is left of it) the steps take.
 SHARES = {
@@ -64,6 +65,17 @@ class NotFound:
     bound: float
 
 
+def infeasible(job: Job, floor: Floor) -> InfeasibleBudgetError:
+    """The error for a budget below the floor found, carrying the plan that reaches the floor, which
+    :data:`~.floors.FOUND` keeps for later solves of the graph (:mod:`.floors`)."""
+    plan = make_plan(job.cg, floor.saved, budget_bytes=floor.peak, solver="cpsat", status="feasible",
+                     rerun=floor.rerun, min_feasible_bytes=floor.peak)
+    if plan.peak_bytes != floor.peak:  # the floor's peak is a simulation of this plan: never differs
+        raise RuntimeError(f"the lowest-peak plan simulates at {plan.peak_bytes}, not its floor {floor.peak}")
+    FOUND.record(job.cg, floor.saved, floor.rerun, floor.peak)
+    return InfeasibleBudgetError(job.budget_bytes, floor.peak, proven=floor.proven, plan=plan)
+
+
 def floor_first(job: Job) -> tuple[Floor, set[str] | None]:
     """No warm start fits, so the budget may lie below every plan's peak: find that floor first
     (rather than after a cost search that cannot succeed). Returns it and its plan if the plan
@@ -77,7 +89,7 @@ def floor_first(job: Job) -> tuple[Floor, set[str] | None]:
     floor = lowest_peak(job.with_deadline(job.deadline.part(SHARES["floor_first"] * job.deadline.slice())))
     fits = job.reruns and job.memo.rerun_plans(job.cg, job.complies, job.budget_bytes)
     if floor.peak > job.budget_bytes and not fits:
-        raise InfeasibleBudgetError(job.budget_bytes, floor.peak, proven=floor.proven)
+        raise infeasible(job, floor)
     return floor, (set(floor.saved) if peak_of(job.cg, floor.saved) <= job.budget_bytes else None)
 
 
@@ -152,7 +164,7 @@ def below_floor(job: Job, rm: RematModel, missed: NotFound, floor: Floor | None,
     fitting = [(S, list(R)) for _p, S, R in job.memo.rerun_plans(cg, job.complies, budget)] \
         if job.reruns and budget is not None else []
     if budget is not None and floor.peak > budget and not fitting:
-        raise InfeasibleBudgetError(budget, floor.peak, proven=floor.proven)
+        raise infeasible(job, floor)
     single_fits = budget is None or peak_of(cg, floor.saved) <= budget
     if status != cp_model.INFEASIBLE and single_fits:  # CP-SAT again, from the lowest-peak plan
         rm = build_model(cg, budget, forced_saved=job.forced_saved, forbidden_saved=job.forbidden_saved,
