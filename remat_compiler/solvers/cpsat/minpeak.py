@@ -93,12 +93,14 @@ def lowest_peak(job: Job, *, seed: int = 0) -> Floor:
 
 def _start(job: Job) -> set[str]:
     """The plan the lowest-peak search starts from: per-block checkpointing, or without repeated
-    blocks the (slower) drop-greedy."""
+    blocks the (slower) drop-greedy, with the policy's forced saves added and forbidden ones taken
+    out."""
     S = block_boundary_set(job.cg)
-    if S is not None:
-        return set(S)
-    saved, _peak = greedy_saved_set(job.cg, 0, deadline=job.deadline.part(0.3 * job.deadline.seconds))
-    return saved
+    if S is None:
+        S, _peak = greedy_saved_set(job.cg, 0, deadline=job.deadline.part(0.3 * job.deadline.seconds))
+    # the policy's forced and forbidden saves hold here too: this plan is the floor's when CP-SAT
+    # returns nothing in its time
+    return (set(S) | set(job.forced_saved)) - set(job.forbidden_saved)
 
 
 def _with_reruns(job: Job, rm: RematModel, floor: Floor, starts: list[frozenset], proven_optimum: bool,

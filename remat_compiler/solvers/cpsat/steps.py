@@ -174,6 +174,10 @@ def below_floor(job: Job, rm: RematModel, missed: NotFound, floor: Floor | None,
             return _solved(rm, solver, status, relaxed)
     # keep the cheapest lowest-peak plan
     options = fitting + ([(floor.saved, [])] if single_fits else [])
+    if not options and job.complies(floor.saved) and peak_of(cg, floor.saved, floor.rerun) <= budget:
+        options = [(floor.saved, list(floor.rerun))]  # the floor's own reruns, not yet in the memo
+    if not options:
+        raise infeasible(job, floor)
     saved, rerun = min(options, key=lambda p: job.cost(p[0], p[1]))
     return Found(set(saved), job.cost(saved, rerun), cp_bound * rm.cost_gcd, peak_of(cg, saved, rerun),
                  optimal=False, rerun=list(rerun), final=True)
