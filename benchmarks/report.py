@@ -1,10 +1,9 @@
-"""RESULTS.md and the Pareto pictures, from the per-workload result documents of :mod:`benchmarks.bench`.
+"""RESULTS.md's tables and the Pareto pictures (the page itself: :mod:`benchmarks.results_page`), from the per-workload result documents of :mod:`benchmarks.bench`.
 
 Everything here reads finished results; text files are written atomically with
 :func:`passes.files.atomic_write_text` (re-exported here), pictures with
 :func:`remat_compiler.viz.save_figure`.
 
->>> text = render_results([result_gpt2, result_mixtral])        # doctest: +SKIP
 >>> plot_pareto_measured(result_gpt2, "benchmarks/pareto_gpt2.png")  # doctest: +SKIP
 """
 from __future__ import annotations
@@ -23,7 +22,7 @@ from remat_compiler.viz import save_figure
 from benchmarks.workloads import ISSUE_TARGETS
 
 __all__ = ["TABLE_HEADER", "PEER_STRATEGIES", "atomic_write_text", "format_rows", "check_targets",
-           "render_results", "format_scale", "plot_pareto_measured"]
+           "format_scale", "plot_pareto_measured"]
 
 MIB = float(2 ** 20)
 #: The Markdown table header every workload's table starts with.
@@ -172,114 +171,6 @@ def _fast_less_y_targets(rows: Sequence[dict], remat: Sequence[dict]) -> list[st
     return out
 
 
-def _section(result: dict) -> str:
-    mf = result["min_feasible"]
-    head = [
-        f"## {result['workload']}",
-        "",
-        f"{result['description']}. {result['world_size']} rank(s), {result['threads']} torch thread(s) per "
-        f"rank, torch {result['torch']}. Traced graph: {result['nodes']} nodes, traced and analysed in "
-        f"{result['trace_s']:.1f} s. CP-SAT: time limit {result['time_limit_s']:g} s per solve, "
-        f"{result['num_workers']} workers, objective {result.get('objective', 'runtime')}. Smallest "
-        f"feasible budget: {_mib(mf['bytes'])} MiB ({'proven' if mf['proven'] else 'not proven'} within "
-        f"the limit, {mf['seconds']:.1f} s). Step time: median of {result['rounds']} interleaved steps. "
-        f"Benchmark wall time: {result['runtime_s'] / 60:.1f} min. Command: `{result.get('command', '-')}`; "
-        f"code: {result.get('code_version', 'unknown')}.",
-        "",
-        format_rows(result["rows"]),
-        "",
-        f"![Pareto {result['workload']}](pareto_{result['workload']}.png)",
-        "",
-        "Targets:",
-        "",
-        *check_targets(result),
-    ]
-    return "\n".join(head)
-
-
-PREAMBLE = """# Benchmarks: remat_compiler against the tools users would pick instead
-
-Regenerate with `{command}` (options: `--workloads`, `--quick`, `--time-limit S`, `--workers N`,
-`--rounds N`, `--out DIR`); each workload's raw rows are kept in `data/<workload>.json` and this file is
-rebuilt from all of them.
-
-How every number is measured (the same code for every strategy, `benchmarks/measure.py`):
-
-- **measured peak**: the most live tensor-storage bytes during one training step (forward, loss,
-  backward, from parameter gradients set to None) above what was resident before it, tracked op by op
-  by a `TorchDispatchMode` (`remat_compiler.LiveStorageTracker`). For `torch.compile` the tracker
-  declares `ignore_compile_internals() = True`: Dynamo would otherwise skip the compiled frame and run the
-  model eagerly under an active dispatch mode; with it, the compiled `aot_eager_decomp_partition` graph
-  runs with the tracker on and every aten op of the compiled forward and backward reaches it (checked:
-  the compiled step dispatches the decomposed graph's ops, and its peak changes with the budget).
-- **predicted peak**: the remat_compiler plan's own prediction (simulator), for its rows only. Every step
-  here is `loss_of(model(...)).backward()`, which lets go of the model's outputs (the logits) before
-  backward and keeps only the loss, so remat_compiler plans with `hold_outputs=False` (backward then runs
-  from the loss alone, without the zero logits-sized gradient autograd gives an unused output of
-  AOTAutograd's Function).
-- **FLOP ratio**: FLOPs of one step counted by `torch.utils.flop_counter.FlopCounterMode`'s registry
-  (matmul, convolution, attention) over the whole step, same `ignore_compile_internals` treatment, divided
-  by eager's. 1.000 means no recompute of counted ops.
-- **step-time ratio**: every runner's timed steps are interleaved round-robin (one step of each runner per
-  round), and the ratio is the median over rounds of the step's time over eager's time in the same
-  round, so that load on the machine (a shared 2-core CPU box whose load swings several-fold while
-  others work on it) hits all alike. Take it as indicative; FLOP ratios are exact.
-- **max abs grad error**: largest absolute difference of any parameter or input gradient from eager's.
-- **plan / compile**: remat_compiler: CP-SAT solve time (the trace is listed per workload);
-  torch.compile: first call (compile and one step); MoE strategies: their plan time.
-- **torch.compile**: PyTorch's planner, `torch.compile(model, backend="aot_eager_decomp_partition")` with
-  `torch._functorch.config.activation_memory_budget` patched (`torch._functorch.config.patch`) while each
-  module compiles; `torch._dynamo.reset()` runs once before the four settings, and each setting is its own
-  backend callable on its own model copy, so Dynamo's backend guard keeps their compiled graphs apart
-  (a compile counter shows none recompiles while measured or timed).
-- **checkpoint**: `torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)` around every
-  repeated block (GPT-2 `transformer.h[i]`, Mixtral `model.layers[i]`, MoE stack and MLP chain `layers[i]`).
-- **remat_compiler**: `remat_compiler.compile(model, budget, plan=plan, hold_outputs=False)` with a CP-SAT
-  plan for each budget: every peer's measured peak (in bytes), fractions of the no-recompute plan's
-  predicted peak, and the smallest feasible budget. CP-SAT minimises the objective named per workload
-  (`flops`: counted FLOPs recomputed, memory-bound ops breaking ties; `runtime`: the roofline runtime
-  estimate). Status `feasible` means CP-SAT stopped at its time limit; the gap is the proven relative gap
-  on that objective (under `flops`, on counted FLOPs alone: the tie-break does not count), over plans
-  that recompute each value once, from the largest of CP-SAT's bound, the LP relaxation of the model's
-  linear part and, on 3 or more identical layers, the block decomposition's bound
-  (`remat_compiler/solvers/cpsat/blockbound/`). Below the lowest peak of those plans,
-  the smallest feasible budget and the plan for it use reruns (a value recomputed again at a later
-  backward step, found by local search: no proven gap).
-- **moe2** (2 gloo ranks, spawned by the command, each with one thread, bounded by `--dist-timeout`): every
-  rank runs the same steps in lock step; CP-SAT plans and the smallest feasible budget are computed on rank 0
-  and broadcast (each rank checks the plan against its own graph); the measured peak is the larger of the two
-  ranks' (both are noted when they differ), FLOPs are summed over ranks, and a step takes as long as the
-  slower rank. gloo runs each all-to-all on a background thread whose work object holds the
-  collective's input and its result until that thread lets go of it, a few ops after the wait on a loaded
-  machine; the emitted code therefore holds both after each wait until the work has released them
-  (`remat_compiler.collectives.release_collective_inputs`), so that each is freed where the plan frees it.
-  Eager, checkpoint and torch.compile rows have no such release, and their ranks can differ.
-
-Sizes are in MiB (2^20 bytes). Issue 5's reference figures, written "MB", are in this unit: its eager
-GPT-2 peak, 218.1, is measured here as 218.1 MiB, and checkpointing every block as 60.08 against its 60.1.
-"""
-
-
-def _scale_section(doc: dict) -> str:
-    return "\n".join([
-        "## scale (plan time)", "",
-        f"{doc['description']}. {doc['threads']} torch thread(s), torch {doc['torch']}, CP-SAT with "
-        f"{doc['num_workers']} workers, objective {doc.get('objective', 'runtime')}; the step keeps only "
-        f"the loss (hold_outputs=False). On graphs of 3 or more identical layers the block decomposition "
-        f"(`remat_compiler/solvers/cpsat/blockbound/`) bounds the cost from below with whole per-block plans "
-        f"and composes the plan its bound picks; when that plan fits and meets the bound (up to a few "
-        f"tie-break units outside the layers) no search follows, else it seeds CP-SAT. Each solve here "
-        f"builds the block menu anew (cold: no memo; a sweep passes one SolveMemo that keeps them). The gap's bound is the "
-        f"largest of CP-SAT's, the LP relaxation of the model's linear part (GLOP, `solvers/cpsat/lp.py`) and "
-        f"the decomposition's. Under the objective `flops` "
-        f"CP-SAT minimises kFLOPs plus one unit per recomputed op; the per-op unit only breaks ties, so "
-        f"status and gap are those of counted FLOPs (CP-SAT's bound less the ops any plan could "
-        f"recompute; a plan that recomputes no counted FLOPs is optimal), and the tie-break gap is the "
-        f"gap on the whole objective. Wall time: {doc['runtime_s'] / 60:.1f} min. Command: "
-        f"`{doc.get('command', '-')}`; code: {doc.get('code_version', 'unknown')}.", "",
-        format_scale(doc)])
-
-
 def format_scale(doc: dict) -> str:
     """The plan-time table (Markdown) of a :func:`benchmarks.scale.bench_plan_scale` document."""
     mib = float(2 ** 20)
@@ -302,15 +193,6 @@ def format_scale(doc: dict) -> str:
                                         f"{r['budget_bytes'] / mib:.1f}", f"{r['time_limit_s']:g}",
                                         f"{r['solve_s']:.1f}", *tail]) + " |")
     return "\n".join(lines)
-
-
-def render_results(results: Sequence[dict], command: str = "python -m benchmarks.run", appendix: str = "") -> str:
-    """The whole RESULTS.md: how things are measured, then one section per workload, then ``appendix``
-    (Markdown measured by other commands, kept in ``data/inductor.md``, ``data/real_sizes.md`` and
-    ``data/gpu_check.md``: the Inductor peers, the real sizes planned, the CUDA check)."""
-    sections = [_scale_section(r) if r.get("kind") == "plan_scale" else _section(r) for r in results]
-    parts = [PREAMBLE.format(command=command).rstrip(), *sections] + ([appendix.strip()] if appendix.strip() else [])
-    return "\n\n".join(parts) + "\n"
 
 
 def _figure() -> Figure:

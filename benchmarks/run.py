@@ -29,15 +29,12 @@ from dataclasses import fields
 import torch
 
 from benchmarks.bench import BenchOptions, bench_workload
-from benchmarks.report import atomic_write_text, plot_pareto_measured, render_results
+from benchmarks.report import atomic_write_text, plot_pareto_measured
 from benchmarks.scale import bench_plan_scale
 from benchmarks.workloads import WORKLOADS
 
 #: Every workload name: the measured ones, then ``scale`` (GPT-2 at 12 and 48 layers, planned only).
 NAMES = (*WORKLOADS, "scale")
-#: Markdown sections other commands measure, appended to RESULTS.md in this order (those that exist)
-APPENDIX_FILES = ("moe_table.md", "inductor.md", "real_sizes.md", "gpu_check.md")
-
 __all__ = ["main", "run_workload", "run_spawned", "load_results"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,13 +175,11 @@ def main(argv=None) -> int:
         atomic_write_text(os.path.join(data_dir, f"{name}.json"), json.dumps(result, indent=1) + "\n")
         if name != "scale":
             plot_pareto_measured(result, os.path.join(args.out, f"pareto_{name}.png"))
-        # Markdown measured by other commands: the Inductor peers (benchmarks.inductor_peers), the real
-        # sizes planned (benchmarks.real_sizes) and the CUDA check (benchmarks.gpu_check, on a GPU machine)
-        appendix = "\n\n".join(open(path).read().strip() for path in
-                               (os.path.join(data_dir, f) for f in APPENDIX_FILES)
-                               if os.path.exists(path))
-        atomic_write_text(os.path.join(args.out, "RESULTS.md"), render_results(load_results(data_dir),
-                                                                               appendix=appendix))
+        # the page of every benchmark's current figures, this run's and those other commands saved
+        # in data/ (benchmarks.results_page)
+        from benchmarks.results_page import render_page  # it reads inductor_peers, which imports this module
+
+        atomic_write_text(os.path.join(args.out, "RESULTS.md"), render_page(data_dir))
         print(f"[{name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     for msg in failures:
         print(f"FAILED: {msg}", file=sys.stderr)
