@@ -48,6 +48,8 @@ from remat_compiler.solvers.cpsat.choice import solve_choice
 from remat_compiler.solvers.cpsat import SolveMemo
 from remat_compiler.stamp import trace_stamped
 from remat_compiler.eager_paths import warn_fraction_of_uncheckpointed
+from remat_compiler.dynamic import DynamicShapeError, ShapeBounds, entry_key, is_range_key, trace_and_run_range
+from remat_compiler.errors import UntraceableModelError
 from remat_compiler.trace import (INPLACE_AFTER_SAVE, StepFunction, TracedStep, annotate_joint, aot_step,
                                   flatten_step, is_inplace_after_save, run_traced, signature_of_leaves, trace,
                                   trace_step, without_data)
@@ -612,6 +614,8 @@ class _Entry:
     #                                   trace's (planning budget, walk margin, overshot plan peak)
     replan: tuple | None = None       # this trace's, from the entry it replaces (its ``over``)
     measured_replans: int = 0         # re-plans made after a first step measured above the budget
+    shapes: object = None             # a range of shapes (remat_compiler.dynamic): its ShapeBounds
+    #                                   until traced, then the ShapeRange each call is checked against
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
@@ -657,8 +661,10 @@ class CompiledModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, spec: PlanSpec, hold_outputs: bool = True,
-                 backend: str = "eager"):
+                 backend: str = "eager", shapes: ShapeBounds | None = None):
         super().__init__()
+        self._shapes = shapes  # the bounds of the shapes one plan serves (remat_compiler.dynamic)
+        self._shapes_off: str | None = None  # why the range was given up (then: per shape)
         self._orig_mod = model
         self._spec = spec
         self._hold_outputs = hold_outputs
@@ -728,6 +734,8 @@ class CompiledModule(torch.nn.Module):
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         state = self._state()
         key = self._key(leaves, spec, state)
+        if self._shapes is not None:  # the range's entry where it serves this call
+            key = entry_key(self._shapes, self._shapes_off, key, leaves, self._entries)
         if key in self._failures:  # an infeasible budget for this signature: the same answer, at once
             raise self._failures[key]
         entry = self._entries.get(key)
@@ -752,6 +760,8 @@ class CompiledModule(torch.nn.Module):
                 "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
                 "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
         entry = _Entry(step=step, fn=None, example=step.state_tensors() + flat)
+        if is_range_key(key):
+            entry.shapes = self._shapes
         if after is not None:  # the step's plan again, after Inductor's code measured above the budget
             entry.replan, entry.measured_replans = after.over, after.measured_replans + 1
         record = GradRecord(entry)
@@ -794,6 +804,13 @@ class CompiledModule(torch.nn.Module):
 
     def _trace_and_run(self, entry: _Entry, inputs: list[torch.Tensor]):
         """Trace, plan and compile the step on its first call, and run its forward."""
+        if entry.shapes is not None:  # one plan for a range of shapes, else per shape from now on
+            try:
+                return trace_and_run_range(self, entry, inputs)
+            except (DynamicShapeError, UntraceableModelError) as exc:
+                self._shapes_off, entry.shapes, entry.planned = str(exc), None, None
+                warnings.warn(f"max_seq_len: this step cannot be planned once for every length ({exc}); "
+                              f"each new shape is traced and planned on its own", RuntimeWarning, stacklevel=4)
         if self._backend == "eager":
             return self._trace_and_run_eager(entry, inputs)
         return self._trace_and_run_inductor(entry, inputs)
@@ -971,7 +988,8 @@ def _check_wrapper(model: torch.nn.Module) -> None:
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",
             cost_model: CostModel | None = None, plan: Plan | str | None = None, hold_outputs: bool = True,
             policy: Policy | None = None, plan_cache: PlanCache | str | os.PathLike | None = None,
-            backend: str = "eager", **solver_options) -> CompiledModule:
+            backend: str = "eager", max_seq_len: int | None = None, max_batch_size: int | None = None,
+            **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
     Parameters
@@ -1019,6 +1037,16 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         forward's outputs, and the peak of the code Inductor wrote is walked before it runs
         (``m.planned.compiled``): above the budget, the step is re-planned lower, and after
         ``INDUCTOR_REPLANS`` tries it runs the eager plan with a warning.
+    max_seq_len : int, optional
+        Serve every sequence length up to this bound with one trace and one plan (dynamic padding,
+        as the HF Trainer's collator pads): dim 0 (batch) and dim 1 (sequence) of every input are
+        traced symbolically and the step is planned at the bound, whose peak is the most any
+        shorter call reaches (:mod:`remat_compiler.dynamic`); a fraction budget is of the
+        no-recompute peak at the bound. A call above the bound, of a size 1, or one the traced
+        graph does not hold for is traced and planned for its own shape, as without the option.
+        None (default): each new shape is traced and planned on its own. Eager backend only.
+    max_batch_size : int, optional
+        With ``max_seq_len``: the largest batch that shares the plan; None: the first call's.
     **solver_options :
         The solver's options (CP-SAT: ``time_limit_s`` for the whole solve, ``num_workers``,
         ``deterministic``, ``objective``...; a hand-picked strategy takes none).
@@ -1049,8 +1077,14 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: 'eager' runs the plan op by op "
                          f"(the default), 'inductor' compiles its forward and backward with Inductor")
     _check_wrapper(model)
+    shapes = ShapeBounds.make(max_seq_len, max_batch_size)
+    if shapes is not None and (backend != "eager" or plan is not None):
+        raise ValueError("max_seq_len= plans one range of shapes on the eager backend without a given plan; "
+                         "backend='inductor' and plan= plan per shape (leave max_seq_len out)")
     from remat_compiler.fsdp import is_fsdp_model  # sharded with FSDP2: the step with its collectives
     if is_fsdp_model(model):
+        if shapes is not None:
+            raise ValueError("max_seq_len= is not available for FSDP2-sharded models: leave it out")
         from remat_compiler.fsdp import FSDPCompiledModule
         return FSDPCompiledModule(model, spec, hold_outputs, backend)
-    return CompiledModule(model, spec, hold_outputs, backend)
+    return CompiledModule(model, spec, hold_outputs, backend, shapes=shapes)
