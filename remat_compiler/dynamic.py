@@ -151,12 +151,12 @@ class ShapeRange:
 
     def why_not_at(self, values: dict) -> str | None:
         """:meth:`why_not` for ``symbol -> size``."""
+        env = self.shape_env
         for sym, v in values.items():
             if v < 2:
                 return f"a size of {v} (the range was traced for sizes of at least 2)"
-            if sym in self.bounds and v > self.bounds[sym]:
+            if sym in self.bounds and sym not in env.replacements and v > self.bounds[sym]:
                 return f"a size of {v}, above the bound {self.bounds[sym]}"
-        env = self.shape_env
         for sym, expr in env.replacements.items():
             if sym in values and int(expr.xreplace(values)) != values[sym]:
                 return f"the traced graph holds for {sym} = {expr} only"
@@ -165,6 +165,13 @@ class ShapeRange:
             if held is not sympy.true and not bool(held):
                 return f"the traced graph holds under {guard.expr} only"
         return None
+
+    def at_bound(self) -> dict:
+        """``symbol -> size`` at the bound: each free symbol at its bound, each one the trace tied to
+        others or to a constant (a Linear's features) at what that gives."""
+        env = self.shape_env
+        free = {s: b for s, b in self.bounds.items() if s not in env.replacements}
+        return {s: free[s] if s in free else self.size(s, free) for s in self.bounds}
 
     def size(self, expr, values: dict) -> int:
         return int(self.shape_env.replace(expr).xreplace(values))
@@ -277,7 +284,7 @@ def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, spec, rng: ShapeRang
     """
     from remat_compiler.api import plan_joint
 
-    bound = {sym: rng.bounds[sym] for sym in rng.bounds}
+    bound = rng.at_bound()
     for where, values in (("the bound", bound), ("the first call", rng.first)):
         why = rng.why_not_at(values)
         if why is not None:
