@@ -210,3 +210,95 @@ def test_bounds_are_checked():
         ShapeBounds.make(None, 4)
     with pytest.raises(ValueError, match="eager backend"):
         rc.compile(_MLP(), 0.5, max_seq_len=8, backend="inductor")
+
+
+def _rows(n: int, lengths, seed: int = 0) -> list[dict]:
+    """Token rows of varying lengths, unpadded (as a tokenizer gives them)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 128, (int(lengths[i % len(lengths)]),), generator=g).tolist()}
+            for i in range(n)]
+
+
+def _pad(rows: list[dict]) -> dict:
+    """Pad a batch to its longest row: pad id 0, attention_mask, labels -100 on padding (what
+    transformers' DataCollatorForLanguageModeling(mlm=False) gives)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, :len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_dataloader_with_dynamic_padding_trains_like_eager(solves):
+    """A plain loop over a DataLoader whose collator pads each batch to its own longest row
+    (attention_mask and -100 labels): 6 AdamW steps of a default-config Llama, every batch its own
+    length, and the last batch of one row; one solve for the batches of two, one more for the batch
+    of one (a size 1 is traced apart), and the losses and weights eager's."""
+    from examples.zoo import build
+
+    wrapped, _, _ = build("llama")
+    hf = wrapped.model
+    rows = _rows(11, [9, 23, 14, 30, 5, 17, 27, 12, 20, 8, 31])
+    losses = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(hf)
+        step_model = rc.compile(model, memory_budget=0.6, max_seq_len=32, time_limit_s=5) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=_pad)
+        losses[name] = []
+        for i, batch in enumerate(loader):
+            torch.manual_seed(i)
+            with LiveStorageTracker() as mem:
+                loss = step_model(**batch).loss
+                loss.backward()
+            if name == "compiled":
+                assert mem.peak_bytes <= step_model.plan.budget_bytes, (i, batch["input_ids"].shape)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+        if name == "eager":
+            want = model
+    assert len(losses["compiled"]) == 6
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+    for a, b in zip(model.parameters(), want.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert solves[0] == 2
+
+
+def test_hf_trainer_with_a_padding_collator_plans_once(tmp_path, solves):
+    """The HF Trainer with transformers' DataCollatorForLanguageModeling (a tokenizer's pad token,
+    mlm=False: every batch padded to its own longest row) on a default-config GPT-2 with dropout:
+    the same losses and weights as eager after 4 steps, and one solve for all their lengths."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from examples.zoo import build
+
+    vocab = {"[PAD]": 0, **{f"t{i}": i for i in range(1, 128)}}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1")),
+        pad_token="[PAD]")
+    collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
+    wrapped, _, _ = build("gpt2")
+    rows = _rows(8, [7, 30, 12, 21, 16, 9, 25, 4], seed=1)
+
+    def train(model):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4, logging_steps=1,
+            per_device_train_batch_size=2, save_strategy="no", seed=0, learning_rate=1e-3,
+            disable_tqdm=True, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    eager = copy.deepcopy(wrapped.model)
+    eager_losses = train(eager)
+    net = copy.deepcopy(wrapped.model)
+    losses = train(rc.compile(net, memory_budget=0.8, max_seq_len=32, time_limit_s=5))
+    assert len(losses) == 4
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    for a, b in zip(net.parameters(), eager.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert solves[0] == 1
