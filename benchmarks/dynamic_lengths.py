@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--low", type=int, default=16)
     p.add_argument("--high", type=int, default=None, help="the bound (default 512; 64 with --quick)")
-    p.add_argument("--budget", type=float, default=0.5, help="fraction of the no-recompute peak at the bound")
+    p.add_argument("--budget", type=float, default=0.6, help="fraction of the no-recompute peak at the bound")
     p.add_argument("--time-limit", type=float, default=30.0, help="CP-SAT's time_limit_s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")

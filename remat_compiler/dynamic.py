@@ -129,6 +129,7 @@ class ShapeRange:
     sites: dict
     bounds: dict
     first: dict = field(default_factory=dict)  # symbol -> its value at the first call
+    _seen: dict = field(default_factory=dict, repr=False)  # sizes met -> why_not's answer (None: served)
 
     def binding(self, flat: list[torch.Tensor]) -> dict | str:
         """``symbol -> size`` for a call's inputs, or why they are not in this range."""
@@ -147,7 +148,10 @@ class ShapeRange:
         values = self.binding(flat)
         if isinstance(values, str):
             return values
-        return self.why_not_at(values)
+        met = tuple(values.items())
+        if met not in self._seen:  # each distinct shape's guards are evaluated once
+            self._seen[met] = self.why_not_at(values)
+        return self._seen[met]
 
     def why_not_at(self, values: dict) -> str | None:
         """:meth:`why_not` for ``symbol -> size``."""
