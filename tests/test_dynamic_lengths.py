@@ -67,7 +67,7 @@ def test_llama_one_plan_serves_every_length_up_to_the_bound(solves):
     order; one solve, eager's gradients, every measured peak under the budget, and the peak at the
     bound the plan's own (it is the largest: monotone in the length)."""
     shapes = [(2, 20), (2, 32), (1 + 1, 3), (2, 17), (2, 2), (2, 31), (2, 9)]
-    m, peaks = _check_lengths("llama", 32, 0.5, shapes, solves)
+    m, peaks = _check_lengths("llama", 32, 0.7, shapes, solves)
     assert abs(peaks[2, 32] - m.plan.peak_bytes) <= 0.05 * m.plan.peak_bytes
     assert peaks[2, 32] == max(peaks.values())
     assert m.plan.extras["shape_range"]["bounds"]  # the plan records it serves a range
@@ -116,7 +116,7 @@ def test_above_the_bound_and_size_one_are_planned_per_shape(solves):
 
     model, inputs, _ = build("llama", batch=2, seq=16)
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=0.6, max_seq_len=24, time_limit_s=5)
+    m = rc.compile(model, memory_budget=0.9, max_seq_len=24, time_limit_s=5)
     _step(m, inputs, 0)
     budget = m.plan.budget_bytes
     for i, (b, length, expected) in enumerate([(2, 30, 2), (1, 10, 3), (2, 24, 3), (2, 5, 3)]):
