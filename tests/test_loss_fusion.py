@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import remat_compiler as rc
+from helpers import run_step
 from passes.loss import cross_entropy_backward
 
 aten = torch.ops.aten
@@ -63,14 +64,21 @@ def _inductor_step(model, ids):
     """Plan without recomputation for the Inductor backend, step once; the compiled module and the
     gradients (dropout drawn from seed 1)."""
     m = rc.compile(model, None, backend="inductor", hold_outputs=False)
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(1)
-    m(ids, labels=ids).loss.backward()
-    return m, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return m, run_step(model, lambda: m(ids, labels=ids), loss=lambda out: out.loss, seed=1).grads
 
 
-def test_under_inductor_the_loss_head_is_planned_whole_and_holds_one_logits_size_less(monkeypatch):
+@pytest.fixture(scope="module")
+def inductor_planned():
+    """The large-vocabulary GPT-2 under the Inductor backend, stepped once (:func:`_inductor_step`):
+    one Inductor compile for the two tests that read it. The compiled module, its first step's
+    gradients and the tokens."""
+    pytest.importorskip("transformers")
+    model, ids = _gpt2_with_a_large_vocabulary()
+    return (*_inductor_step(model, ids), ids)
+
+
+def test_under_inductor_the_loss_head_is_planned_whole_and_holds_one_logits_size_less(inductor_planned,
+                                                                                       monkeypatch):
     """The Inductor backend traces with Inductor's decompositions, which turn log_softmax into five
     ops and cross-entropy's backward into a scatter into a zero-filled logits-sized tensor. It keeps
     those three ops whole (``passes.loss.WHOLE_LOSS_OPS``): the backward's pair is fused, so the
@@ -87,7 +95,7 @@ def test_under_inductor_the_loss_head_is_planned_whole_and_holds_one_logits_size
     reference(ids, labels=ids).loss.backward()
     logits_bytes = ids.numel() * 2048 * 4
 
-    m, grads = _inductor_step(copy.deepcopy(model), ids)
+    m, grads, _ = inductor_planned  # the same model (seed 0), compiled and stepped once from seed 1
     ops = [m.planned.cg.attr(n, "op") for n in m.planned.cg.order]
     assert ops.count("remat.log_softmax_nll_backward.default") == 1
     assert ops.count("remat.log_softmax.default") == 1
@@ -150,7 +158,7 @@ def test_under_inductor_the_loss_heads_whole_ops_run_unfused_where_they_are_not_
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_the_fused_loss_head_allocates_nothing_the_plan_does_not_count(backend):
+def test_the_fused_loss_head_allocates_nothing_the_plan_does_not_count(backend, request):
     """Where the loss head holds the step's peak, the allocator's count of the step (every tensor a
     kernel makes, inside itself too) is the plan's prediction to the byte: the fused op made its
     per-row vectors inside itself (17 bytes a row) until they became graph values; on the benchmark
@@ -158,12 +166,15 @@ def test_the_fused_loss_head_allocates_nothing_the_plan_does_not_count(backend):
     pytest.importorskip("transformers")
     from remat_compiler.memory import AllocatorPeak
 
-    model, ids = _gpt2_with_a_large_vocabulary()
-    m = rc.compile(model, None, backend=backend, hold_outputs=False)
-    torch.manual_seed(1)
-    m(ids, labels=ids).loss.backward()
+    if backend == "inductor":  # compiled and stepped once from seed 1, as below
+        m, _, ids = request.getfixturevalue("inductor_planned")
+    else:
+        model, ids = _gpt2_with_a_large_vocabulary()
+        m = rc.compile(model, None, backend=backend, hold_outputs=False)
+        torch.manual_seed(1)
+        m(ids, labels=ids).loss.backward()
     predicted = m.planned.compiled.peak_bytes if backend == "inductor" else m.plan.peak_bytes
-    for p in model.parameters():
+    for p in m.parameters():
         p.grad = None
     with AllocatorPeak() as allocator:
         m(ids, labels=ids).loss.backward()

@@ -18,6 +18,7 @@ from remat_compiler.api import CompiledModule, PlanSpec, plan_joint
 from remat_compiler.runtime import grad_deps
 from remat_compiler.trace import annotate_joint
 from remat_compiler.fsdp.choices import record_unit_choices
+from remat_compiler.fsdp.seeds import FSDPSeeds
 from remat_compiler.fsdp.step import ShardedStep
 
 __all__ = ["FSDPCompiledModule"]
@@ -48,6 +49,7 @@ class FSDPCompiledModule(CompiledModule):
         del self._modules["_orig_mod"]
         object.__setattr__(self, "_orig_mod", step)
         self.fsdp_module = model
+        self._memo = FSDPSeeds(unit_params=tuple(len(u.params) for u in step.units))  # FSDP2's settings known
 
     @property
     def original(self) -> torch.nn.Module:

@@ -112,7 +112,8 @@ def plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, memor
                  **plan_options):
     """:func:`remat_compiler.plan_model` for rank 0 of an ``fsdp``-way FSDP2 step
     (:func:`shard_for_planning`, in a :func:`fake_process_group`), traced in full
-    (``stamp_layers`` does not apply to the sharded step), each unit's choice in
+    (``stamp_layers`` does not apply to the sharded step), its solve starting from FSDP2's own
+    settings as known plans (:class:`~remat_compiler.fsdp.seeds.FSDPSeeds`), each unit's choice in
     ``plan.extras["fsdp_units"]`` and ``fsdp`` in ``plan.extras["fsdp_world"]``.
 
     Returns
@@ -122,9 +123,16 @@ def plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, memor
     from remat_compiler.api import plan_model
     from remat_compiler.fsdp.choices import record_unit_choices
 
+    from remat_compiler.fsdp.seeds import FSDPSeeds
+    from remat_compiler.solvers import get_solver
+
     with fake_process_group(fsdp):
         step = shard_for_planning(model, fsdp)
         plan_options["stamp_layers"] = False
+        takes = get_solver(plan_options.get("solver", "cpsat")).options or ()
+        if "memo" in takes and "memo" not in plan_options and plan_options.get("plan_cache") is None \
+                and plan_options.get("plan") is None and not plan_options.get("deterministic"):
+            plan_options["memo"] = FSDPSeeds(unit_params=tuple(len(u.params) for u in step.units))
         planned = plan_model(step, args, kwargs, memory_budget, **plan_options)
         record_unit_choices(planned, step.units)
     planned.plan.extras["fsdp_world"] = fsdp

@@ -22,7 +22,6 @@ from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 from remat_compiler.solvers.cpsat.costs import OBJECTIVES, cost_units, flop_gap, plan_cost_units
-from remat_compiler.solvers.cpsat.floors import FOUND
 from remat_compiler.solvers.cpsat.memo import SolveMemo
 from remat_compiler.solvers.cpsat.minpeak import min_feasible_peak
 from remat_compiler.solvers.cpsat.model import RematModel, build_model
@@ -124,8 +123,6 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     job = Job(cg, budget_bytes, objective, deadline,
               memo if memo is not None else SolveMemo(), tuple(forced_saved), tuple(forbidden_saved),
               num_workers, reruns)
-    if not deterministic:  # the plans earlier errors named for this graph (floors.FOUND)
-        FOUND.offer(cg, job.memo)
     start = seed(job, heuristics=warm_start, block_reuse=block_reuse, block_reuse_share=block_reuse_share)
     floor = None
     if budget_bytes is not None and start.saved is None and warm_start:

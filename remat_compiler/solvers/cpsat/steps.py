@@ -13,7 +13,6 @@ from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.plan import Plan, make_plan
 from remat_compiler.schedule import build_schedule, no_recompute, peak_of
 from remat_compiler.solvers.cpsat.costs import flops_status
-from remat_compiler.solvers.cpsat.floors import FOUND
 from remat_compiler.solvers.cpsat.lp import lp_bound
 from remat_compiler.solvers.cpsat.minpeak import Floor, lowest_peak
 from remat_compiler.solvers.cpsat.model import RematModel, build_model, hint
@@ -66,13 +65,13 @@ class NotFound:
 
 
 def infeasible(job: Job, floor: Floor) -> InfeasibleBudgetError:
-    """The error for a budget below the floor found, carrying the plan that reaches the floor, which
-    :data:`~.floors.FOUND` keeps for later solves of the graph (:mod:`.floors`)."""
+    """The error for a budget below the floor found, carrying the plan that reaches the floor: a later
+    search in its own time limit may not find that plan again, so the error's advice is to apply it
+    (``plan=exc.plan``)."""
     plan = make_plan(job.cg, floor.saved, budget_bytes=floor.peak, solver="cpsat", status="feasible",
                      rerun=floor.rerun, min_feasible_bytes=floor.peak)
     if plan.peak_bytes != floor.peak:  # the floor's peak is a simulation of this plan: never differs
         raise RuntimeError(f"the lowest-peak plan simulates at {plan.peak_bytes}, not its floor {floor.peak}")
-    FOUND.record(job.cg, floor.saved, floor.rerun, floor.peak)
     return InfeasibleBudgetError(job.budget_bytes, floor.peak, proven=floor.proven, plan=plan)
 
 
