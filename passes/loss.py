@@ -53,8 +53,8 @@ def nll_rows(grad: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | No
     g = aten.div.Tensor(grad, total_weight) if reduction == 1 else grad  # aten: mean divides by the weight
     if weight is not None:
         g = aten.mul.Tensor(aten.index.Tensor(weight, [index]), g)
-    elif g.dim() == 0:
-        g = aten.expand.default(g, [target.shape[0]])
+    # a scalar g broadcasts in the where (no expand to the rows' count: that would write the traced
+    # size into the graph, which a graph traced with symbolic sizes must read from target)
     rows = aten.where.ScalarOther(valid, g, 0.0)
     if rows.dtype != dtype:
         rows = aten._to_copy.default(rows, dtype=dtype)

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from remat_compiler.clock import check_time_limit
+from remat_compiler.dynamic import ShapeBounds
 from remat_compiler.combines import (CHOICE_OPTIONS, COMPARE_MIN_S, COMPARE_SHARE, choose_combines, chooses_combines,
                                      explain_unchosen, resolve_combines)
 from remat_compiler.fsdp.module import FSDPCompiledModule
@@ -184,7 +185,8 @@ def _plans_for(device, cost_model: CostModel | None):
 def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callable[..., Plan] | Strategy = "cpsat",
             cost_model: CostModel | None = None, plan: Plan | str | None = None, hold_outputs: bool = True,
             policy: Policy | None = None, plan_cache: PlanCache | str | os.PathLike | None = None,
-            backend: str = "eager", **solver_options) -> CompiledModule:
+            backend: str = "eager", max_seq_len: int | None = None, max_batch_size: int | None = None,
+            **solver_options) -> CompiledModule:
     """Return a module that trains like ``model`` with recomputation planned under ``memory_budget``.
 
     Parameters
@@ -232,6 +234,16 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         forward's outputs, and the peak of the code Inductor wrote is walked before it runs
         (``m.planned.compiled``): above the budget, the step is re-planned lower, and after
         ``remat_compiler.inductor.backend.INDUCTOR_REPLANS`` tries it runs the eager plan with a warning.
+    max_seq_len : int, optional
+        Serve every sequence length up to this bound with one trace and one plan (dynamic padding,
+        as the HF Trainer's collator pads): dim 0 (batch) and dim 1 (sequence) of every input are
+        traced symbolically and the step is planned at the bound, whose peak is the most any
+        shorter call reaches (:mod:`remat_compiler.dynamic`); a fraction budget is of the
+        no-recompute peak at the bound. A call above the bound, of a size 1, or one the traced
+        graph does not hold for is traced and planned for its own shape, as without the option.
+        None (default): each new shape is traced and planned on its own. Eager backend only.
+    max_batch_size : int, optional
+        With ``max_seq_len``: the largest batch that shares the plan; None: the first call's.
     **solver_options :
         The solver's options (CP-SAT: ``time_limit_s`` for the whole solve, ``num_workers``,
         ``deterministic``, ``objective``...; a hand-picked strategy takes none).
@@ -262,6 +274,12 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: 'eager' runs the plan op by op "
                          f"(the default), 'inductor' compiles its forward and backward with Inductor")
     check_wrapper(model)
+    shapes = ShapeBounds.make(max_seq_len, max_batch_size)
+    if shapes is not None and (backend != "eager" or plan is not None):
+        raise ValueError("max_seq_len= plans one range of shapes on the eager backend without a given plan; "
+                         "backend='inductor' and plan= plan per shape (leave max_seq_len out)")
     if is_fsdp_model(model):  # sharded with FSDP2: the step with its collectives
+        if shapes is not None:
+            raise ValueError("max_seq_len= is not available for FSDP2-sharded models: leave it out")
         return FSDPCompiledModule(model, spec, hold_outputs, backend)
-    return CompiledModule(model, spec, hold_outputs, backend)
+    return CompiledModule(model, spec, hold_outputs, backend, shapes=shapes)

@@ -134,7 +134,11 @@ def emit(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule
     # extraction gets them too, and with bn it is for the forward alone
     stats = list(dict.fromkeys(names[a] for n in bn for a in n.meta.get(RECOMPUTE_UNREAD, ())
                                if names[a] not in saved_values))
-    fw, bw = _extract_fwd_bwd_modules(gm, saved_values + stats, saved_sym_nodes=[], num_fwd_outputs=num_fwd)
+    # sizes backward reads (a graph traced with symbolic shapes, remat_compiler.dynamic) are saved as
+    # SymInts: AOTAutograd keeps them apart from the tensors, after them in the forward's outputs
+    syms = [n for n in saved_values if isinstance(n.meta.get("val"), (int, torch.SymInt))]
+    saved_values = [n for n in saved_values if n not in syms]
+    fw, bw = _extract_fwd_bwd_modules(gm, saved_values + stats, saved_sym_nodes=syms, num_fwd_outputs=num_fwd)
     if bn:  # backward recomputes them without their running statistics (see reorder_backward)
         bw_gm = _batch_norm_stats_unread(gm, bn)
         bw_names = {n.name: n for n in bw_gm.graph.nodes}

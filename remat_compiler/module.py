@@ -17,6 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from remat_compiler.combines import resolve_combines
+from remat_compiler.dynamic import DynamicShapeError, ShapeBounds, entry_key, is_range_key, trace_and_run_range
+from remat_compiler.errors import UntraceableModelError
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.fsdp.units import refuse_sharded_after
 from remat_compiler.pipeline import PlannedGraph, PlanSpec, plan_joint
@@ -41,6 +43,8 @@ class _Entry:
     gate: bool = True                 # whether calls need the gate (decided once the graph is known)
     example: list | None = None       # the first call's state tensors and inputs (to trace it again)
     inductor: Any = None              # the Inductor backend's state (remat_compiler.inductor.backend.InductorState)
+    shapes: object = None             # a range of shapes (remat_compiler.dynamic): its ShapeBounds
+    #                                   until traced, then the ShapeRange each call is checked against
 
     @property
     def replans(self) -> bool:
@@ -73,8 +77,10 @@ class CompiledModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, spec: PlanSpec, hold_outputs: bool = True,
-                 backend: str = "eager"):
+                 backend: str = "eager", shapes: ShapeBounds | None = None):
         super().__init__()
+        self._shapes = shapes  # the bounds of the shapes one plan serves (remat_compiler.dynamic)
+        self._shapes_off: str | None = None  # why the range was given up (then: per shape)
         self._orig_mod = model
         self._spec = spec
         self._hold_outputs = hold_outputs
@@ -146,6 +152,8 @@ class CompiledModule(torch.nn.Module):
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         state = self._state()
         key = self._key(leaves, spec, state)
+        if self._shapes is not None:  # the range's entry where it serves this call
+            key = entry_key(self._shapes, self._shapes_off, key, leaves, self._entries)
         if key in self._failures:  # an infeasible budget for this signature: the same answer, at once
             raise self._failures[key]
         entry = self._entries.get(key)
@@ -170,6 +178,8 @@ class CompiledModule(torch.nn.Module):
                 "remat_compiler.plan_model(model, args, kwargs, memory_budget) (or the CLI's plan), "
                 "then train the real model with remat_compiler.compile(real_model, plan=planned.plan)")
         entry = _Entry(step=step, fn=None, example=step.state_tensors() + flat)
+        if is_range_key(key):
+            entry.shapes = self._shapes
         if after is not None:  # the step's plan again, after Inductor's code measured above the budget
             entry.inductor = after.inductor
         record = GradRecord(entry)
@@ -211,6 +221,13 @@ class CompiledModule(torch.nn.Module):
 
     def _trace_and_run(self, entry: _Entry, inputs: list[torch.Tensor]):
         """Trace, plan and compile the step on its first call, and run its forward."""
+        if entry.shapes is not None:  # one plan for a range of shapes, else per shape from now on
+            try:
+                return trace_and_run_range(self, entry, inputs)
+            except (DynamicShapeError, UntraceableModelError) as exc:
+                self._shapes_off, entry.shapes, entry.planned = str(exc), None, None
+                warnings.warn(f"max_seq_len: this step cannot be planned once for every length ({exc}); "
+                              f"each new shape is traced and planned on its own", RuntimeWarning, stacklevel=4)
         if self._backend == "eager":
             return self._trace_and_run_eager(entry, inputs)
         # imported here: Inductor's decomposition table costs a second at import, which the eager

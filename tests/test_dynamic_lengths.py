@@ -1,0 +1,304 @@
+"""One plan for every batch size and sequence length up to a bound (``compile(..., max_seq_len=)``,
+:mod:`remat_compiler.dynamic`): gradients equal eager's at every length, the measured peak stays
+under the budget at every length, and nothing is solved again after the first call."""
+import copy
+import warnings
+
+import pytest
+import sympy
+import torch
+
+import remat_compiler as rc
+import remat_compiler.pipeline as pipeline
+from remat_compiler import LiveStorageTracker
+from remat_compiler.dynamic import DynamicShapeError, ShapeBounds, _monotone, check_monotone
+
+pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+
+
+@pytest.fixture
+def solves(monkeypatch):
+    """How many plans were decided (solved, looked up or given) in this test."""
+    count = [0]
+    decide = pipeline.decide
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return decide(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "decide", counting)
+    return count
+
+
+def _step(model, inputs: dict, seed: int):
+    """One seeded forward and backward of ``model(**inputs)`` (a loss); its loss, gradients, peak."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with LiveStorageTracker() as mem:
+        loss = model(**inputs)
+        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+        loss.backward()
+    named = (model.original if isinstance(model, rc.CompiledModule) else model).named_parameters()
+    return loss.detach(), {n: p.grad.clone() for n, p in named}, mem.peak_bytes
+
+
+def _check_lengths(family: str, bound: int, budget, shapes, solves, batch: int = 2):
+    from examples.zoo import build
+
+    model, _, _ = build(family, batch=batch, seq=bound)
+    ref = copy.deepcopy(model)
+    m = rc.compile(model, memory_budget=budget, max_seq_len=bound, time_limit_s=5)
+    peaks = {}
+    for i, (b, length) in enumerate(shapes):
+        _, inputs, _ = build(family, batch=b, seq=length, seed=i)
+        loss, grads, peak = _step(m, inputs, seed=i)
+        want_loss, want, _ = _step(ref, inputs, seed=i)
+        assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6), (b, length)
+        for name, g in grads.items():
+            assert torch.allclose(g, want[name], rtol=1e-4, atol=1e-6), (b, length, name)
+        limit = m.plan.budget_bytes
+        assert peak <= limit, f"batch {b} x length {length}: measured {peak} bytes above the budget {limit}"
+        peaks[b, length] = peak
+    assert solves[0] == 1, "a length within the bound was planned again"
+    return m, peaks
+
+
+def test_llama_one_plan_serves_every_length_up_to_the_bound(solves):
+    """A default-config Llama: first call at 2 x 20, then lengths and batches up to 2 x 32 in any
+    order; one solve, eager's gradients, every measured peak under the budget, and the peak at the
+    bound the plan's own (it is the largest: monotone in the length)."""
+    shapes = [(2, 20), (2, 32), (1 + 1, 3), (2, 17), (2, 2), (2, 31), (2, 9)]
+    m, peaks = _check_lengths("llama", 32, 0.7, shapes, solves)
+    assert abs(peaks[2, 32] - m.plan.peak_bytes) <= 0.05 * m.plan.peak_bytes
+    assert peaks[2, 32] == max(peaks.values())
+    assert m.plan.extras["shape_range"]["bounds"]  # the plan records it serves a range
+
+
+def test_gpt2_with_dropout_one_plan_for_batch_and_length(solves):
+    """A default-config GPT-2 (dropout on, seeded alike): batch below the first call's and lengths
+    from 2 to the bound share the plan."""
+    shapes = [(3, 16), (3, 32), (2, 5), (3, 2), (2, 32), (3, 23)]
+    _check_lengths("gpt2", 32, 0.75, shapes, solves, batch=3)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                            for _ in range(4)])
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+
+def test_mlp_batch_range_and_feature_dim_fixed(solves):
+    """An MLP on [batch, 64]: dim 1 is the features, which the Linear pins to 64 (a replacement in
+    the ShapeEnv), so the range is over the batch alone, up to the first call's; a larger batch is
+    planned for its own shape."""
+    torch.manual_seed(0)
+    model = _MLP()
+    ref = copy.deepcopy(model)
+    m = rc.compile(model, memory_budget=0.7, max_seq_len=128, time_limit_s=5)
+    for i, b in enumerate([256, 70, 256, 2, 131]):
+        x, y = torch.randn(b, 64), torch.randn(b, 64)
+        loss, grads, peak = _step(m, {"x": x, "y": y}, seed=i)
+        want_loss, want, _ = _step(ref, {"x": x, "y": y}, seed=i)
+        assert torch.allclose(loss, want_loss) and all(torch.allclose(grads[n], want[n], atol=1e-6) for n in grads)
+        assert peak <= m.plan.budget_bytes
+    assert solves[0] == 1
+    m(x=torch.randn(260, 64), y=torch.randn(260, 64)).backward()  # above the first call's batch
+    assert solves[0] == 2
+
+
+def test_above_the_bound_and_size_one_are_planned_per_shape(solves):
+    """A length above ``max_seq_len`` or a batch of 1 is traced and planned for its own shape under
+    the bytes the fraction resolved to at the bound; the range still serves the lengths within."""
+    from examples.zoo import build
+
+    model, inputs, _ = build("llama", batch=2, seq=16)
+    ref = copy.deepcopy(model)
+    m = rc.compile(model, memory_budget=0.9, max_seq_len=24, time_limit_s=5)
+    _step(m, inputs, 0)
+    budget = m.plan.budget_bytes
+    for i, (b, length, expected) in enumerate([(2, 30, 2), (1, 10, 3), (2, 24, 3), (2, 5, 3)]):
+        _, inp, _ = build("llama", batch=b, seq=length, seed=i)
+        loss, grads, peak = _step(m, inp, seed=i)
+        want_loss, want, _ = _step(ref, inp, seed=i)
+        assert torch.allclose(loss, want_loss) and all(torch.allclose(grads[n], want[n], atol=1e-6) for n in grads)
+        assert solves[0] == expected, (b, length)
+        assert m.plan.budget_bytes == budget and peak <= budget
+
+
+class _Branchy(torch.nn.Module):
+    """Takes another path at one length: a guard the traced graph holds under."""
+
+    def __init__(self, skip: int, above: int | None = None):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.skip, self.above = skip, above
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x))
+        if x.shape[1] == self.skip:
+            h = h * 3
+        if self.above is not None and x.shape[1] > self.above:
+            h = torch.cat([h, h], dim=1)
+        return (h ** 2).sum()
+
+
+def test_a_length_the_trace_did_not_hold_for_is_planned_apart(solves):
+    """A branch on the length (``if x.shape[1] == 11``) is a ShapeEnv guard: the range serves every
+    other length, the guarded one is traced and planned for its own shape, with eager's gradients."""
+    torch.manual_seed(0)
+    model = _Branchy(skip=11)
+    ref = copy.deepcopy(model)
+    m = rc.compile(model, memory_budget=None, max_seq_len=16, time_limit_s=5)
+    for i, (length, expected) in enumerate([(6, 1), (16, 1), (11, 2), (3, 2), (11, 2)]):
+        x = torch.randn(4, length, 8)
+        loss, grads, peak = _step(m, {"x": x}, seed=i)
+        want_loss, want, _ = _step(ref, {"x": x}, seed=i)
+        assert torch.allclose(loss, want_loss) and all(torch.allclose(grads[n], want[n], atol=1e-6) for n in grads)
+        assert solves[0] == expected, length
+
+
+def test_a_path_that_changes_below_the_bound_gives_up_the_range(solves):
+    """A path chosen by length that differs between the first call and the bound (``if length > 12``,
+    the attention-kernel kind of switch): no single graph serves the range, so the module says why
+    and plans each shape on its own, with eager's gradients."""
+    torch.manual_seed(0)
+    model = _Branchy(skip=-1, above=12)
+    ref = copy.deepcopy(model)
+    m = rc.compile(model, memory_budget=None, max_seq_len=16, time_limit_s=5)
+    with pytest.warns(RuntimeWarning, match="cannot be planned once for every length"):
+        m(x=torch.randn(4, 6, 8))
+    for i, length in enumerate([6, 14, 9]):
+        x = torch.randn(4, length, 8)
+        loss, grads, _ = _step(m, {"x": x}, seed=i)
+        want_loss, want, _ = _step(ref, {"x": x}, seed=i)
+        assert torch.allclose(loss, want_loss) and all(torch.allclose(grads[n], want[n], atol=1e-6) for n in grads)
+    assert solves[0] == 4  # the first call, then per shape: 6, 14 and 9
+
+
+def test_monotone_sizes():
+    s0, s1 = sympy.symbols("s0 s1", positive=True, integer=True)
+    assert _monotone(s0 * s1 * 64) and _monotone(s1 - 1) and _monotone(s0 * s1 - s0) and _monotone(sympy.Integer(5))
+    assert not _monotone(512 - s1) and not _monotone(s1 * (20 - s1))
+    assert not _monotone(sympy.floor(s1 / 3))  # not a polynomial: not proven
+
+
+def test_check_monotone_names_the_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    import torch.fx as fx
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    s = env.create_unbacked_symint()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(x)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with mode:
+        x.meta["val"] = torch.empty(100 - s, 3)
+    with pytest.raises(DynamicShapeError, match="x has a size or stride"):
+        check_monotone(gm)
+
+
+def test_bounds_are_checked():
+    with pytest.raises(ValueError, match="max_seq_len=1 must be an int"):
+        ShapeBounds.make(1, None)
+    with pytest.raises(ValueError, match="pass max_seq_len= too"):
+        ShapeBounds.make(None, 4)
+    with pytest.raises(ValueError, match="eager backend"):
+        rc.compile(_MLP(), 0.5, max_seq_len=8, backend="inductor")
+
+
+def _rows(n: int, lengths, seed: int = 0) -> list[dict]:
+    """Token rows of varying lengths, unpadded (as a tokenizer gives them)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 128, (int(lengths[i % len(lengths)]),), generator=g).tolist()}
+            for i in range(n)]
+
+
+def _pad(rows: list[dict]) -> dict:
+    """Pad a batch to its longest row: pad id 0, attention_mask, labels -100 on padding (what
+    transformers' DataCollatorForLanguageModeling(mlm=False) gives)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, :len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_dataloader_with_dynamic_padding_trains_like_eager(solves):
+    """A plain loop over a DataLoader whose collator pads each batch to its own longest row
+    (attention_mask and -100 labels): 6 AdamW steps of a default-config Llama, every batch its own
+    length, and the last batch of one row; one solve for the batches of two, one more for the batch
+    of one (a size 1 is traced apart), and the losses and weights eager's."""
+    from examples.zoo import build
+
+    wrapped, _, _ = build("llama")
+    hf = wrapped.model
+    rows = _rows(11, [9, 23, 14, 30, 5, 17, 27, 12, 20, 8, 31])
+    losses = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(hf)
+        step_model = rc.compile(model, memory_budget=0.6, max_seq_len=32, time_limit_s=5) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=_pad)
+        losses[name] = []
+        for i, batch in enumerate(loader):
+            torch.manual_seed(i)
+            with LiveStorageTracker() as mem:
+                loss = step_model(**batch).loss
+                loss.backward()
+            if name == "compiled":
+                assert mem.peak_bytes <= step_model.plan.budget_bytes, (i, batch["input_ids"].shape)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+        if name == "eager":
+            want = model
+    assert len(losses["compiled"]) == 6
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+    for a, b in zip(model.parameters(), want.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert solves[0] == 2
+
+
+def test_hf_trainer_with_a_padding_collator_plans_once(tmp_path, solves):
+    """The HF Trainer with transformers' DataCollatorForLanguageModeling (a tokenizer's pad token,
+    mlm=False: every batch padded to its own longest row) on a default-config GPT-2 with dropout:
+    the same losses and weights as eager after 4 steps, and one solve for all their lengths."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from examples.zoo import build
+
+    vocab = {"[PAD]": 0, **{f"t{i}": i for i in range(1, 128)}}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1")),
+        pad_token="[PAD]")
+    collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
+    wrapped, _, _ = build("gpt2")
+    rows = _rows(8, [7, 30, 12, 21, 16, 9, 25, 4], seed=1)
+
+    def train(model):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4, logging_steps=1,
+            per_device_train_batch_size=2, save_strategy="no", seed=0, learning_rate=1e-3,
+            disable_tqdm=True, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    eager = copy.deepcopy(wrapped.model)
+    eager_losses = train(eager)
+    net = copy.deepcopy(wrapped.model)
+    losses = train(rc.compile(net, memory_budget=0.8, max_seq_len=32, time_limit_s=5))
+    assert len(losses) == 4
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    for a, b in zip(net.parameters(), eager.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert solves[0] == 1
