@@ -159,7 +159,7 @@ def test_mamba_is_planned_on_the_loop_eager_runs_not_the_compile_only_scan():
     assert cfg.use_associative_scan  # the library's default
     torch.manual_seed(0)
     model = LossOf(transformers.MambaForCausalLM(cfg)).train()
-    ids = torch.randint(0, 512, (2, 48))
+    ids = torch.randint(0, 512, (2, 16))
     kwargs = {"input_ids": ids, "labels": ids}
     _, eager = eager_step(model, lambda ref: ref(**kwargs), measure=True)
     m = _trains_like_eager(model, kwargs, memory_budget=None)
