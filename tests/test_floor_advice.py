@@ -10,6 +10,7 @@ a busy process).
 from __future__ import annotations
 
 import copy
+
 import pytest
 
 import remat_compiler as rc
