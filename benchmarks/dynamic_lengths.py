@@ -36,16 +36,11 @@ def _gpt2(quick: bool, bound: int):
 
 def _llama(quick: bool, bound: int):
     import transformers
-    from benchmarks.gpu_check import LLAMA, LLAMA_QUICK
+    from benchmarks.gpu_check import LLAMA, LLAMA_QUICK, llama_config
 
     c = LLAMA_QUICK if quick else LLAMA
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["ffn"],
-        num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-        max_position_embeddings=max(128, bound), use_cache=False,
-        bos_token_id=c["vocab"] - 1, eos_token_id=c["vocab"] - 1)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(llama_config(c, bound))
     return model.train(), c["batch"], c["vocab"]
 
 

@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-__all__ = ["main", "WORKLOADS", "measure_step"]
+__all__ = ["main", "WORKLOADS", "measure_step", "llama_config"]
 
 MiB = 2 ** 20
 GPT2 = dict(n_layer=6, n_embd=256, n_head=4, vocab_size=2048, batch=4, seq=256)  # benchmarks.workloads.GPT2
@@ -57,16 +57,23 @@ def build_gpt2(device: str, quick: bool):
     return model.train(), _ids(c["vocab_size"], c["batch"], c["seq"], device)
 
 
+def llama_config(c: dict, seq: int):
+    """The benchmark Llama's config (``c``: :data:`LLAMA` or :data:`LLAMA_QUICK`) for sequences up to ``seq``."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["ffn"],
+        num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+        max_position_embeddings=max(128, seq), use_cache=False,
+        bos_token_id=c["vocab"] - 1, eos_token_id=c["vocab"] - 1)
+
+
 def build_llama(device: str, quick: bool):
     import transformers
 
     c = LLAMA_QUICK if quick else LLAMA
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["ffn"],
-        num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-        max_position_embeddings=max(128, c["seq"]), use_cache=False,
-        bos_token_id=c["vocab"] - 1, eos_token_id=c["vocab"] - 1)
+    config = llama_config(c, c["seq"])
     config._attn_implementation = "eager"  # the graph a CPU-made plan was traced with (sdpa differs)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)

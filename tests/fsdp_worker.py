@@ -270,14 +270,17 @@ def refusals(rank: int) -> dict:
         remat_compiler.compile(model)
     out["plain parameter"] = _raised(unsharded_param)
 
-    def hsdp():
-        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
-        model = make_chain(sharded=False)
-        for b in model:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        remat_compiler.compile(model)
-    out["hsdp"] = _raised(hsdp)
+    def on_mesh(make_mesh):
+        """Every block and the root sharded on the mesh ``make_mesh()`` gives, then compiled."""
+        def run():
+            mesh = make_mesh()
+            model = make_chain(sharded=False)
+            for b in model:
+                fully_shard(b, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            remat_compiler.compile(model)
+        return run
+    out["hsdp"] = _raised(on_mesh(lambda: init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))))
 
     other = dist.new_group([0, 1])
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes each
@@ -291,14 +294,7 @@ def refusals(rank: int) -> dict:
         remat_compiler.compile(model)
     out["two groups"] = _raised(two_groups)
 
-    def subgroup():
-        mesh = DeviceMesh.from_group(groups[rank], "cpu")
-        model = make_chain(sharded=False)
-        for b in model:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        remat_compiler.compile(model)
-    out["subgroup"] = _raised(subgroup)
+    out["subgroup"] = _raised(on_mesh(lambda: DeviceMesh.from_group(groups[rank], "cpu")))
     return out
 
 

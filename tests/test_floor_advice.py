@@ -28,11 +28,7 @@ def _step_peak(m, x) -> int:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_budget_an_error_names_is_accepted_next_time(seed):
-    case = random_model(seed)
-    try:
-        case.model(case.x)
-    except RuntimeError as exc:  # a program eager cannot run either
-        pytest.skip(f"eager fails: {exc}")
+    case = random_model(seed)  # programs eager runs (checked when the seeds were chosen)
     with pytest.raises(rc.InfeasibleBudgetError) as err:
         rc.compile(copy.deepcopy(case.model), memory_budget=1, time_limit_s=LIMIT_S)(case.x)
     named = err.value.min_feasible_bytes
