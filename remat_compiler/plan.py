@@ -38,6 +38,10 @@ class ValueInfo:
     module: str = ""
 
 
+#: Substrings of a collective's op name and how explain() names it.
+_COLLECTIVE_LABELS = (("all_to_all", "all-to-all"), ("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"))
+
+
 @dataclass
 class Plan:
     """A recomputation plan for one traced graph and one budget.
@@ -123,6 +127,13 @@ class Plan:
         return json.loads(json.dumps(d))  # JSON types (tuples become lists) before hashing
 
     # ------------------------------------------------------------------ people
+    def _collectives_again(self) -> str:
+        """The kinds of collective the plan runs again ("all-gather" for FSDP units gathered again
+        before their backward, "all-to-all" for recomputed MoE dispatches), for explain's totals."""
+        kinds = {label for v in self.values if v.decision == "recomputed"
+                 for key, label in _COLLECTIVE_LABELS if key in v.op}
+        return " and ".join(sorted(kinds)) or "collectives"
+
     def explain(self, max_rows: int = 40) -> str:
         """A table of what is saved and recomputed and why, with totals.
 
@@ -140,7 +151,7 @@ class Plan:
             f"recompute         {len(self.recomputed)} nodes, {self.recompute_flops:,} FLOPs "
             f"({self.flop_overhead:.1%} of the step), est. {self.recompute_s * 1e3:.3f} ms "
             f"({self.runtime_overhead:.1%})"
-            + (f", {human_bytes(self.recompute_comm_bytes)} all-to-all again"
+            + (f", {human_bytes(self.recompute_comm_bytes)} {self._collectives_again()} again"
                if self.recompute_comm_bytes else ""),
             f"saved             {len([v for v in self.values if v.decision == 'saved'])} values, "
             f"{human_bytes(self.saved_bytes)}",

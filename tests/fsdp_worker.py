@@ -233,6 +233,27 @@ def checkpoint_round_trip(rank: int, out_dir: str) -> dict:
             "eval_as_fsdp2": eval_ok and len(cm._entries) == entries}
 
 
+def accumulation(rank: int) -> dict:
+    """Two micro-batches, the first under ``set_requires_gradient_sync(False)``, the second synced:
+    FSDP2 eager reduces their summed gradients once; the compiled step reduce-scatters each and
+    adds the shards, with a warning. The gradients each gives, and the warnings."""
+    import warnings
+
+    micro = [chain_batch(rank), chain_batch(rank + 2)]
+    grads = {}
+    for kind in ("eager", "compiled"):
+        model = make_chain()
+        step_model = model if kind == "eager" else remat_compiler.compile(model, **CPSAT)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, batch in enumerate(micro):
+                model.set_requires_gradient_sync(i == len(micro) - 1)
+                chain_step(step_model, batch)()
+        grads[kind] = _grads(model)
+        grads[f"{kind} warnings"] = [str(w.message) for w in caught if "gradient_sync" in str(w.message)]
+    return grads
+
+
 def _raised(make) -> tuple[str, str] | None:
     try:
         make()
@@ -310,6 +331,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         res["llama_mp"] = compare_llama(rank, MP, None)
         res["mixed"] = reshard_choice(rank)
         res["dcp"] = checkpoint_round_trip(rank, out_dir)
+        res["accumulation"] = accumulation(rank)
         res["refused"] = refusals(rank)
     except Exception:  # noqa: BLE001 - saved for the test to print, then the rank fails
         res["error"] = traceback.format_exc()

@@ -97,7 +97,7 @@ def test_mlp_batch_range_and_feature_dim_fixed(solves):
     torch.manual_seed(0)
     model = _MLP()
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=0.7, max_seq_len=128, time_limit_s=5)
+    m = rc.compile(model, memory_budget=0.7, max_seq_len=128, time_limit_s=2)
     for i, b in enumerate([256, 70, 256, 2, 131]):
         x, y = torch.randn(b, 64), torch.randn(b, 64)
         loss, grads, peak = _step(m, {"x": x, "y": y}, seed=i)
@@ -116,7 +116,7 @@ def test_above_the_bound_and_size_one_are_planned_per_shape(solves):
 
     model, inputs, _ = build("llama", batch=2, seq=16)
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=0.9, max_seq_len=24, time_limit_s=5)
+    m = rc.compile(model, memory_budget=0.9, max_seq_len=24, time_limit_s=2)
     _step(m, inputs, 0)
     budget = m.plan.budget_bytes
     for i, (b, length, expected) in enumerate([(2, 30, 2), (1, 10, 3), (2, 24, 3), (2, 5, 3)]):
@@ -151,7 +151,7 @@ def test_a_length_the_trace_did_not_hold_for_is_planned_apart(solves):
     torch.manual_seed(0)
     model = _Branchy(skip=11)
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=None, max_seq_len=16, time_limit_s=5)
+    m = rc.compile(model, memory_budget=None, max_seq_len=16, time_limit_s=2)
     for i, (length, expected) in enumerate([(6, 1), (16, 1), (11, 2), (3, 2), (11, 2)]):
         x = torch.randn(4, length, 8)
         loss, grads, peak = _step(m, {"x": x}, seed=i)
@@ -167,7 +167,7 @@ def test_a_path_that_changes_below_the_bound_gives_up_the_range(solves):
     torch.manual_seed(0)
     model = _Branchy(skip=-1, above=12)
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=None, max_seq_len=16, time_limit_s=5)
+    m = rc.compile(model, memory_budget=None, max_seq_len=16, time_limit_s=2)
     with pytest.warns(RuntimeWarning, match="cannot be planned once for every length"):
         m(x=torch.randn(4, 6, 8))
     for i, length in enumerate([6, 14, 9]):
@@ -244,7 +244,7 @@ def test_dataloader_with_dynamic_padding_trains_like_eager(solves):
     losses = {}
     for name in ("eager", "compiled"):
         model = copy.deepcopy(hf)
-        step_model = rc.compile(model, memory_budget=0.6, max_seq_len=32, time_limit_s=5) if name == "compiled" else model
+        step_model = rc.compile(model, memory_budget=0.6, max_seq_len=32, time_limit_s=2) if name == "compiled" else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=_pad)
         losses[name] = []
@@ -296,7 +296,7 @@ def test_hf_trainer_with_a_padding_collator_plans_once(tmp_path, solves):
     eager = copy.deepcopy(wrapped.model)
     eager_losses = train(eager)
     net = copy.deepcopy(wrapped.model)
-    losses = train(rc.compile(net, memory_budget=0.8, max_seq_len=32, time_limit_s=5))
+    losses = train(rc.compile(net, memory_budget=0.8, max_seq_len=32, time_limit_s=2))
     assert len(losses) == 4
     assert losses == pytest.approx(eager_losses, rel=1e-5)
     for a, b in zip(net.parameters(), eager.parameters()):

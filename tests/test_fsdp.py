@@ -78,6 +78,19 @@ def test_llama_trains_like_fsdp2_eager(ranks, key):
     assert sorted(units) == ["(root)", "model.layers.0", "model.layers.1", "model.layers.2"]
 
 
+def test_gradient_accumulation_without_sync_sums_like_fsdp2_and_says_it_communicates(ranks):
+    """set_requires_gradient_sync(False) on the first of two micro-batches: FSDP2 eager reduces the
+    summed gradients once; the compiled step reduce-scatters each micro-batch and adds the shards,
+    which sums to the same gradients, and warns once that it does not skip the communication."""
+    for r, res in enumerate(ranks):
+        acc = res["accumulation"]
+        assert acc["eager warnings"] == [], (r, acc["eager warnings"])
+        assert len(acc["compiled warnings"]) == 1 and "reduce-scatter per micro-batch" in acc["compiled warnings"][0]
+        assert acc["compiled"].keys() == acc["eager"].keys()
+        for k, want in acc["eager"].items():
+            torch.testing.assert_close(acc["compiled"][k], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {k}: {m}")
+
+
 def test_budget_below_the_no_recompute_peak_recomputes(ranks):
     """At 0.85 of the no-recompute peak (which keeps every unit gathered and every activation) the
     plan peaks under the budget, so below the no-recompute peak: it recomputes or re-gathers, and
@@ -110,6 +123,8 @@ def test_joint_reshard_choice_beats_both_fixed_settings(ranks):
     res = ranks[0]["mixed"]
     choices = {u["choice"] for u in res["plan"]["units"]}
     assert choices == {"kept", "re-gathered"}, res["plan"]["units"]
+    recompute_line = next(x for x in res["plan"]["explain"].splitlines() if x.startswith("recompute"))
+    assert "all-gather again" in recompute_line and "all-to-all" not in recompute_line, recompute_line
     joint = res["joint"]
     assert joint["status"] == "optimal", joint
     for setting in (True, False):

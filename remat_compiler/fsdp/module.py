@@ -12,6 +12,8 @@ parameters are kept from forward to backward or gathered again (``plan.extras["f
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from remat_compiler.module import CompiledModule
@@ -22,7 +24,12 @@ from remat_compiler.fsdp.choices import record_unit_choices
 from remat_compiler.fsdp.seeds import FSDPSeeds
 from remat_compiler.fsdp.step import ShardedStep
 
-__all__ = ["FSDPCompiledModule"]
+__all__ = ["FSDPCompiledModule", "GradientSyncWarning"]
+
+
+class GradientSyncWarning(UserWarning):
+    """``set_requires_gradient_sync(False)`` on a compiled FSDP2 model: the compiled step still
+    reduce-scatters (see :meth:`FSDPCompiledModule._step`)."""
 
 
 class FSDPCompiledModule(CompiledModule):
@@ -51,6 +58,7 @@ class FSDPCompiledModule(CompiledModule):
         object.__setattr__(self, "_orig_mod", step)
         self.fsdp_module = model
         self._memo = FSDPSeeds(unit_params=tuple(len(u.params) for u in step.units))  # FSDP2's settings known
+        self._sync_warned = False
 
     @property
     def original(self) -> torch.nn.Module:
@@ -66,7 +74,25 @@ class FSDPCompiledModule(CompiledModule):
     def _step(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.fsdp_module.training:
             self._orig_mod.refresh()  # shards FSDP2 replaced since the last step
+            self._warn_if_sync_is_off()
         return super()._step(*args, **kwargs)
+
+    def _warn_if_sync_is_off(self) -> None:
+        """The plan's graph reduce-scatters every unit's gradient in each backward; a micro-batch
+        under ``set_requires_gradient_sync(False)`` is not a graph of its own. The step still adds
+        each micro-batch's reduced shard into ``.grad``, so the sums FSDP2 would reduce at the sync
+        step are the same (allclose: the reduction is linear); what differs is that every micro-batch
+        communicates. Said once per module."""
+        off = [u.path or "(root)" for u in self._orig_mod.units
+               if u.group is not None and not (u.group.reduce_grads and u.group.all_reduce_grads)]
+        if off and not self._sync_warned:
+            self._sync_warned = True
+            warnings.warn(
+                f"set_requires_gradient_sync(False) is not honoured by the compiled step (FSDP units "
+                f"{', '.join(off)}): each micro-batch's gradients are reduce-scattered and added to the "
+                f"sharded .grad, which sums to what FSDP2 reduces at the sync step, at the cost of one "
+                f"reduce-scatter per micro-batch. To skip that communication, accumulate with the FSDP2 "
+                f"model itself (uncompiled) or use larger micro-batches", GradientSyncWarning, stacklevel=4)
 
     def _partition(self, entry, spec: PlanSpec):
         units = self._orig_mod.units

@@ -6,6 +6,7 @@ the :class:`Job`; every phase takes its time as a slice of what is left.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -19,7 +20,24 @@ from remat_compiler.solvers.cpsat.costs import cost_units
 from remat_compiler.solvers.cpsat.memo import SolveMemo
 from remat_compiler.solvers.cpsat.model import RematModel, build_model
 
-__all__ = ["Job", "new_solver", "make_solver", "run_solver", "Progress"]
+__all__ = ["Job", "new_solver", "make_solver", "run_solver", "Progress", "default_workers", "WORKERS_ENV"]
+
+#: The environment variable that sets how many CP-SAT workers a solve runs where ``num_workers`` is not
+#: given (8 otherwise): e.g. 2 on a 2-core CI machine that runs two processes, where eight search
+#: threads of each solve would take the other process's core.
+WORKERS_ENV = "REMAT_COMPILER_CPSAT_WORKERS"
+
+
+def default_workers() -> int:
+    """The CP-SAT workers of a solve given no ``num_workers``: ``$REMAT_COMPILER_CPSAT_WORKERS`` or 8."""
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if not value:
+        return 8
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{WORKERS_ENV}={value!r}: expected a whole number of CP-SAT workers, 1 or more "
+                         f"(or unset it for the default, 8)")
+    return int(value)
+
 
 def new_solver() -> cp_model.CpSolver:
     """A CP-SAT solver that leaves Ctrl-C to Python (see :func:`run_solver`): by default CP-SAT
@@ -35,7 +53,7 @@ def make_solver(seconds: float, num_workers: int | None, deterministic: bool, se
     """A solver for a search of ``seconds`` (deterministic time with ``deterministic``, when the
     wall-clock limit is four times that, a guard only)."""
     solver = new_solver()
-    workers = num_workers if num_workers is not None else 8
+    workers = num_workers if num_workers is not None else default_workers()
     solver.parameters.num_workers = workers
     if deterministic:
         solver.parameters.max_deterministic_time = float(seconds)
