@@ -180,3 +180,19 @@ def test_a_deterministic_deadline_spends_only_what_searches_are_charged():
     part.charge(1.5)
     assert part.left() == 0.5 and clock.left() == 2.5  # a phase's charge is the whole's too
     assert clock.wall_elapsed() >= 0.05
+
+
+def test_default_worker_count_comes_from_the_environment(monkeypatch):
+    """A solve given no ``num_workers`` runs $REMAT_COMPILER_CPSAT_WORKERS workers (8 unset); a value
+    that is not a whole number of workers is refused with the variable named."""
+    from remat_compiler.solvers.cpsat.run import WORKERS_ENV, make_solver
+
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    assert make_solver(1.0, None, False).parameters.num_workers == 8
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert make_solver(1.0, None, False).parameters.num_workers == 3
+    assert make_solver(1.0, 5, False).parameters.num_workers == 5  # the caller's count wins
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match=WORKERS_ENV):
+            make_solver(1.0, None, False)
