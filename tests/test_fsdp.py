@@ -220,14 +220,14 @@ def test_cli_plans_one_rank_of_an_fsdp_step(tmp_path, capsys):
 
     cfg = tmp_path / "config.json"
     transformers.LlamaConfig(**worker.LLAMA_SIZES).to_json_file(str(cfg))
-    common = ["--hf-config", str(cfg), "--seq", "16", "--time-limit", "3"]
+    common = ["--hf-config", str(cfg), "--seq", "16", "--time-limit", "1"]
     assert main(["plan", *common, "--fsdp", "4", "--budget", "0.9"]) == 0
     out = capsys.readouterr().out
     assert "FSDP unit         (root):" in out and "model.layers.2:" in out
     assert main(["pareto", *common, "--fsdp", "4", "--budgets", "1.0,0.9"]) == 0
     assert "cpsat @ 0.9" in capsys.readouterr().out
     assert main(["fit", "--hf-config", str(cfg), "--seq-max", "64", "--step", "32", "--fsdp", "2",
-                 "--budget", "10MiB", "--time-limit", "3"]) == 0
+                 "--budget", "10MiB", "--time-limit", "1"]) == 0
     out = capsys.readouterr().out
     assert "fit: seq 64 fits 10.00 MiB" in out and "FSDP unit" in out
 
