@@ -1,13 +1,21 @@
 """FSDP2's peers against remat_compiler's plan at each peer's measured per-rank peak (issue 35's targets),
 on 2 gloo ranks (CPU), one process per rank.
 
-The workload: a default-config ``LlamaForCausalLM`` with its sizes shrunk (hidden 128, 4 layers, loss
-inside via labels), batch 2 x seq 256 per rank, fp32, every decoder layer a ``fully_shard`` unit and
-then the root. Peers, each run eagerly by FSDP2:
+Workloads (``--workloads``, each with every block a ``fully_shard`` unit and then the root, fp32,
+loss inside via labels, each rank its own token ids):
 
-- ``reshard_after_forward=True`` (FSDP2's default): every layer gathered again in backward;
-- ``reshard_after_forward=False``: every layer kept gathered from forward to backward;
-- ``True`` + activation checkpointing of every layer (transformers' ``gradient_checkpointing_enable``).
+- ``llama``: a default-config ``LlamaForCausalLM`` with its sizes shrunk (hidden 128, 4 layers),
+  batch 2 x seq 256 a rank;
+- ``gpt2``, ``mixtral``: the benchmark workloads of :mod:`benchmarks.workloads` (GPT-2: 6 layers,
+  width 256, batch 4 x seq 256 a rank; Mixtral: 2 layers, hidden 256, 8 experts, batch 4 x seq 128).
+
+Peers, each run by FSDP2:
+
+- ``reshard_after_forward=True`` (FSDP2's default): every block gathered again in backward;
+- ``reshard_after_forward=False``: every block kept gathered from forward to backward;
+- ``True`` + activation checkpointing of every block (transformers' ``gradient_checkpointing_enable``);
+- ``True`` + ``torch.compile`` of every block (torchtitan's way) with
+  ``torch._functorch.config.activation_memory_budget`` = :data:`COMPILE_MEMORY_BUDGET`.
 
 Each peer's per-rank peak is measured over steps 2..(STEPS) with :class:`ResizeAwareTracker`
 (:class:`~remat_compiler.memory.LiveStorageTracker` that also counts storages FSDP2 re-allocates and frees
@@ -15,13 +23,23 @@ with ``untyped_storage().resize_``, which no dispatch mode sees), the larger ran
 ``remat_compiler.compile`` of the same sharded model under that peak as its budget: predicted and
 measured peak per rank, recomputed FLOPs, bytes re-gathered (per rank, the all-gather inputs sent
 again). Step times are the medians of the rounds, peer and compiled interleaved in one process per
-rank (CPU times on 2 shared cores: indicative); FLOPs and bytes are exact.
+rank (CPU times on 2 shared cores); FLOPs and bytes are exact: both steps' FLOPs are counted by
+``torch.utils.flop_counter`` as they run (the plan's own count is saved beside as ``plan_flops``).
 
-    python -m benchmarks.fsdp_peers            # about 3 minutes on 2 cores; prints the table
+The ``torch.compile`` peer runs its compiled code only where no dispatch mode is on, so its peak,
+and ours beside it, are measured by :class:`~remat_compiler.memory.AllocatorPeak` (the allocator's
+profiler events, which see FSDP2's resizes and kernels' temporaries too), and its FLOPs (inside
+Inductor's kernels, which the flop counter does not see) are not given; its row says how many
+graphs Dynamo compiled.
+
+    python -m benchmarks.fsdp_peers                              # all three workloads, ~10 minutes
+    python -m benchmarks.fsdp_peers --workloads llama --json out.json
 """
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -33,12 +51,17 @@ import torch.distributed as dist
 
 from remat_compiler.memory import LiveStorageTracker
 
-__all__ = ["ResizeAwareTracker", "run_rank", "main"]
+__all__ = ["ResizeAwareTracker", "run_rank", "main", "WORKLOADS", "PEERS"]
 
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4)
-BATCH, SEQ, STEPS, ROUNDS = 2, 256, 3, 3
-PEERS = ("reshard_after_forward=True", "reshard_after_forward=False", "True + checkpoint every layer")
+BATCH, SEQ, STEPS, ROUNDS = 2, 256, 3, 5
+PEERS = ("reshard_after_forward=True", "reshard_after_forward=False", "True + checkpoint every layer",
+         "True + torch.compile every layer")
+#: ``torch._functorch.config.activation_memory_budget`` of the ``torch.compile`` peer (1.0: no
+#: recomputation; PyTorch's knob is a fraction of the saved activations' bytes)
+COMPILE_MEMORY_BUDGET = 0.5
+WORKLOADS = ("llama", "gpt2", "mixtral")
 
 
 class ResizeAwareTracker(LiveStorageTracker):
@@ -70,16 +93,33 @@ class ResizeAwareTracker(LiveStorageTracker):
         return super().__exit__(*exc)
 
 
-def _model(peer: str):
+def _build(workload: str):
+    """A fresh model of ``workload``, the dotted path of its blocks, its vocabulary and (batch, seq)."""
     import transformers
+
+    from benchmarks.workloads import WORKLOADS as SPECS
+
+    if workload == "llama":
+        torch.manual_seed(0)
+        return (transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)), "model.layers",
+                SIZES["vocab_size"], (BATCH, SEQ))
+    spec = SPECS[workload]
+    model, _args, kwargs = spec.build()
+    return model, spec.blocks, model.config.vocab_size, tuple(kwargs["input_ids"].shape)
+
+
+def _model(peer: str, workload: str = "llama"):
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+    model, blocks, _vocab, _shape = _build(workload)
     if peer == PEERS[2]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = model.get_submodule(blocks)
+    if peer == PEERS[3]:  # torchtitan: each block compiled, then sharded
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer)
     reshard = peer != PEERS[1]
-    for layer in model.model.layers:
+    for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     return model
@@ -94,11 +134,14 @@ def _step(model, ids):
     return step
 
 
-def _measure(step) -> tuple[int, float]:
+def _measure(step, meter=None) -> tuple[int, float]:
+    """The step's peak over steps 2..STEPS (``meter``: ResizeAwareTracker, or AllocatorPeak where the
+    step runs compiled code, which a dispatch-mode tracker would make run eagerly) and its median time."""
+    meter = meter or ResizeAwareTracker
     peaks, times = [], []
     for i in range(STEPS):
         t0 = time.perf_counter()
-        with ResizeAwareTracker() as mem:
+        with meter() as mem:
             step()
         times.append(time.perf_counter() - t0)
         if i:
@@ -120,64 +163,116 @@ def _max_over_ranks(x: int) -> int:
     return int(t.item())
 
 
+def _peer_context(peer: str):
+    import contextlib
+
+    if peer != PEERS[3]:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(activation_memory_budget=COMPILE_MEMORY_BUDGET)
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     import remat_compiler
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ), generator=gen)
+    workloads = os.environ["FSDP_PEERS_WORKLOADS"].split(",")
     rows = []
-    base_flops = None
-    for peer in PEERS:
-        model = _model(peer)
-        step = _step(model, ids)
-        step()
-        peak, _ = _measure(step)
-        budget = _max_over_ranks(peak)
-        peer_flops = _flops(step)
-        cm = remat_compiler.compile(_model(PEERS[0]), memory_budget=budget, hold_outputs=False,
-                                    time_limit_s=20, num_workers=1)
-        cstep = _step(cm, ids)
-        cstep()
-        plan = cm.plan
-        base_flops = plan.baseline_flops
-        times = {"peer": [], "compiled": []}
-        cpeaks = []
-        for _ in range(ROUNDS):  # interleaved
-            times["peer"].append(_measure(step)[1])
-            p, t = _measure(cstep)
-            times["compiled"].append(t)
-            cpeaks.append(p)
-        rows.append({"peer": peer, "rank": rank, "peer_peak": peak, "budget": budget,
-                     "predicted": plan.peak_bytes, "measured": max(cpeaks),
-                     "peer_step_s": statistics.median(times["peer"]),
-                     "compiled_step_s": statistics.median(times["compiled"]),
-                     "peer_flops": peer_flops, "compiled_flops": plan.baseline_flops + plan.recompute_flops,
-                     "recompute_flops": plan.recompute_flops, "regather_bytes": plan.recompute_comm_bytes,
-                     "units": {u["unit"]: u["choice"] for u in plan.extras.get("fsdp_units", [])}})
-    torch.save({"rows": rows, "base_flops": base_flops}, os.path.join(out_dir, f"rank{rank}.pt"))
+    for workload in workloads:
+        _m, _b, vocab, shape = _build(workload)
+        ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(rank))
+        for peer in PEERS:
+            with _peer_context(peer):
+                rows.append(_compare(remat_compiler, workload, peer, rank, ids))
+    torch.save({"rows": rows}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def main() -> int:
+def _compare(remat_compiler, workload: str, peer: str, rank: int, ids) -> dict:
+    from torch._dynamo.utils import counters
+
+    from remat_compiler.memory import AllocatorPeak
+
+    # torch.compile's code runs only with no dispatch mode on: its peer, and ours beside it, are measured
+    # by the allocator's profiler events (which also see FSDP2's storage resizes and kernels' temporaries)
+    meter = AllocatorPeak if peer == PEERS[3] else ResizeAwareTracker
+    counters.clear()
+    try:
+        model = _model(peer, workload)
+        step = _step(model, ids)
+        step()
+        peak, _ = _measure(step, meter)
+    except Exception as exc:  # noqa: BLE001 - a peer that does not compose is a row saying so
+        return {"workload": workload, "peer": peer, "rank": rank, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    graphs = counters["stats"].get("unique_graphs", 0)
+    budget = _max_over_ranks(peak)
+    peer_flops = None if peer == PEERS[3] else _flops(step)
+    cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
+                                time_limit_s=20, num_workers=1)
+    cstep = _step(cm, ids)
+    cstep()
+    plan = cm.plan
+    times = {"peer": [], "compiled": []}
+    cpeaks = []
+    for _ in range(ROUNDS):  # interleaved
+        times["peer"].append(_measure(step, meter)[1])
+        p, t = _measure(cstep, meter)
+        times["compiled"].append(t)
+        cpeaks.append(p)
+    return {"workload": workload, "peer": peer, "rank": rank, "peer_peak": peak, "budget": budget,
+            "meter": meter.__name__, "peer_graphs": graphs,
+            "predicted": plan.peak_bytes, "measured": max(cpeaks),
+            "peer_step_s": statistics.median(times["peer"]),
+            "compiled_step_s": statistics.median(times["compiled"]),
+            "peer_flops": peer_flops, "compiled_flops": _flops(cstep),
+            "plan_flops": plan.baseline_flops + plan.recompute_flops,
+            "recompute_flops": plan.recompute_flops, "regather_bytes": plan.recompute_comm_bytes,
+            "units": {u["unit"]: u["choice"] for u in plan.extras.get("fsdp_units", [])}}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The Markdown table of both ranks' rows."""
+    lines = ["| workload | peer (FSDP2) | rank | peer's peak | budget (max over ranks) | remat_compiler predicted "
+             "| measured | FLOPs, peer / ours | re-gathered bytes (ours) | step time, ours / peer | units kept / re-gathered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['peer']} | {r['rank']} | does not run: {r['error']} |  |  |  |  |  |  |  |")
+            continue
+        kept = sum(c == "kept" for c in r["units"].values())
+        flops = (f"{r['peer_flops'] / 1e9:.3f} G / " if r["peer_flops"] is not None else "not counted / ") + \
+            f"{r['compiled_flops'] / 1e9:.3f} G"
+        peer = r["peer"] + (f" ({r['peer_graphs']} graphs compiled)" if r.get("peer_graphs") else "")
+        lines.append(f"| {r['workload']} | {peer} | {r['rank']} | {r['peer_peak']:,} | {r['budget']:,} | "
+                     f"{r['predicted']:,} | {r['measured']:,} | {flops} | {r['regather_bytes']:,} | "
+                     f"{r['compiled_step_s'] / r['peer_step_s']:.2f} | {kept} / {len(r['units']) - kept} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp_peers", description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--json", help="also write the rows here (benchmarks/data/fsdp_peers.json for RESULTS.md)")
+    args = parser.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import dist_spawn
 
+    os.environ["FSDP_PEERS_WORKLOADS"] = args.workloads
     with tempfile.TemporaryDirectory() as out:
-        dist_spawn.spawn_ranks(run_rank, 2, out, timeout_s=1200)
+        dist_spawn.spawn_ranks(run_rank, 2, out, timeout_s=3600, start_method="spawn")
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
-    print("| peer (FSDP2 eager) | rank | peer's peak | budget (max over ranks) | remat_compiler predicted "
-          "| measured | peer FLOPs | remat_compiler FLOPs | re-gathered bytes | step time, ours / peer | units kept / re-gathered |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for i in range(len(PEERS)):
-        for res in ranks:
-            r = res["rows"][i]
-            kept = sum(c == "kept" for c in r["units"].values())
-            print(f"| {r['peer']} | {r['rank']} | {r['peer_peak']} | {r['budget']} | {r['predicted']} | "
-                  f"{r['measured']} | {r['peer_flops']:,} | {r['compiled_flops']:,} | {r['regather_bytes']} | "
-                  f"{r['compiled_step_s'] / r['peer_step_s']:.2f} | {kept} / {len(r['units']) - kept} |")
+    rows = [r for pair in zip(*(res["rows"] for res in ranks)) for r in pair]
+    print(format_table(rows))
+    if args.json:
+        from benchmarks.report import atomic_write_text
+
+        commit = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or None
+        atomic_write_text(args.json, json.dumps({"commit": commit, "rows": rows}, indent=1) + "\n")
     return 0
 
 

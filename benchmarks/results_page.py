@@ -14,6 +14,7 @@ commands saved in ``benchmarks/data/``:
 - ``gpt2.json``, ``mixtral.json``, ``moe1.json``, ``moe2.json``, ``mlp.json``, ``scale.json``:
   ``python -m benchmarks.run`` (the eager backend against checkpointing and ``torch.compile``);
 - ``real_sizes.json``, ``real_sizes_targets.json``: ``python -m benchmarks.real_sizes --json ...``;
+- ``fsdp_peers.json``: ``python -m benchmarks.fsdp_peers --json ...`` (FSDP2's settings, 2 gloo ranks);
 - ``moe_table.md``, ``inductor.md`` (its coverage table), ``gpu_check.md``: the Markdown those commands
   print or write, tables taken as they are.
 
@@ -33,7 +34,7 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from benchmarks import inductor_peers, real_sizes
+from benchmarks import fsdp_peers, inductor_peers, real_sizes
 from benchmarks.report import atomic_write_text, check_targets, format_rows, format_scale, plot_pareto_measured
 from remat_compiler.viz import save_figure
 
@@ -315,6 +316,25 @@ def _real_sizes_section(data_dir: str) -> list[str]:
             real_sizes.format_markdown(targets), "", *real_sizes._verdicts(targets)]
 
 
+def _fsdp_section(data_dir: str) -> list[str]:
+    if not _exists(data_dir, "fsdp_peers.json"):
+        return []
+    doc = _load_json("fsdp_peers.json", data_dir)
+    return ["## Sharded: FSDP2's own settings against the plan, at each one's measured peak", "",
+            "Command: `python -m benchmarks.fsdp_peers --json benchmarks/data/fsdp_peers.json` (about 10 "
+            f"minutes); code: commit {doc['commit']}.
+2 gloo ranks on this 2-core CPU, every block a "
+            "`fully_shard` unit then the root, fp32. Each peer runs FSDP2; its per-rank
+peak is measured "
+            "(with what FSDP2 re-allocates by resizing storages), and remat_compiler compiles the same
+sharded "
+            "model with the larger rank's peak as its budget. Step times: medians of interleaved rounds, one "
+            "process
+a rank (indicative); FLOPs (the flop counter's, which sees none inside Inductor's "
+            "kernels) and bytes are exact.", "",
+            fsdp_peers.format_table(doc["rows"])]
+
+
 def _gpu_section(data_dir: str) -> list[str]:
     """``gpu_check.md`` as the command wrote it; a dry run's note on how it was written gives way to what
     measures it."""
@@ -339,7 +359,7 @@ def render_page(data_dir: str = DATA) -> str:
     there is left out."""
     sections = [INTRO.splitlines(), _summary_section(data_dir), MEASURED.rstrip().splitlines(),
                 _inductor_section(data_dir), _eager_section(data_dir), _moe_section(data_dir),
-                _real_sizes_section(data_dir),
+                _real_sizes_section(data_dir), _fsdp_section(data_dir),
                 _gpu_section(data_dir)]
     return "\n\n".join("\n".join(s).strip() for s in sections if s) + "\n"
 
