@@ -322,16 +322,13 @@ def _fsdp_section(data_dir: str) -> list[str]:
     doc = _load_json("fsdp_peers.json", data_dir)
     return ["## Sharded: FSDP2's own settings against the plan, at each one's measured peak", "",
             "Command: `python -m benchmarks.fsdp_peers --json benchmarks/data/fsdp_peers.json` (about 10 "
-            f"minutes); code: commit {doc['commit']}.
-2 gloo ranks on this 2-core CPU, every block a "
-            "`fully_shard` unit then the root, fp32. Each peer runs FSDP2; its per-rank
-peak is measured "
-            "(with what FSDP2 re-allocates by resizing storages), and remat_compiler compiles the same
-sharded "
-            "model with the larger rank's peak as its budget. Step times: medians of interleaved rounds, one "
-            "process
-a rank (indicative); FLOPs (the flop counter's, which sees none inside Inductor's "
-            "kernels) and bytes are exact.", "",
+            f"minutes); code: commit {doc['commit']}.\n2 gloo ranks on this 2-core CPU, every block a "
+            "`fully_shard` unit then the root, fp32. Each peer runs FSDP2; its per-rank\npeak is measured "
+            "(with what FSDP2 re-allocates by resizing storages; the `torch.compile` peer's, and ours beside "
+            "it,\nby the allocator's events), and remat_compiler compiles the same sharded model with the "
+            "larger rank's peak as\nits budget. Step times: medians of interleaved rounds, one process a rank "
+            "(indicative); FLOPs (the flop counter's,\nwhich sees none inside Inductor's kernels nor in "
+            "`grouped_mm`: see docs/fsdp.md) and bytes are exact.", "",
             fsdp_peers.format_table(doc["rows"])]
 
 
