@@ -26,9 +26,13 @@ os.environ.setdefault("REMAT_COMPILER_CPSAT_WORKERS", "2")
 # The README's command runs the files on two workers (``-n 2 --dist loadfile``), handed out in
 # collection order: with the longest files first, neither worker is left running one alone at the end.
 # Measured by --durations=0 (session 25: test_zoo.py 113 s, test_moe_compile.py and test_moe_choice.py
-# 77 s, test_dynamic_lengths.py 57 s, ... summed per file; the files below 12 s keep their order).
-LONGEST_FIRST = ("test_zoo.py", "test_moe_compile.py", "test_moe_choice.py",
-                 "test_dynamic_lengths.py", "test_fsdp.py", "test_blockbound.py",
+# 77 s, test_dynamic_lengths.py 57 s, test_fsdp.py 54 s, ... summed per file; the files below 12 s keep
+# their order). The two files that spawn gloo ranks go first and one after the other on the same worker
+# (test_fsdp.py's one job, then test_moe_compile.py's two), while the other runs test_zoo.py. With
+# both files' ranks on the 2 cores at once the three jobs took 34, 46 and 30 s and the suite 558 s;
+# apart, 29, 34 and 19 s and 445 s (idle machine, one run each).
+LONGEST_FIRST = ("test_fsdp.py", "test_zoo.py", "test_moe_compile.py", "test_moe_choice.py",
+                 "test_dynamic_lengths.py", "test_blockbound.py",
                  "test_inductor.py", "test_cli.py", "test_hf_combine_choice.py",
                  "test_optimality.py", "test_users_third_round.py", "test_choice_model_agrees.py",
                  "test_gpt2.py", "test_plan_cache.py", "test_rerun.py", "test_meta.py",
