@@ -1,0 +1,70 @@
+"""The eager backend's first call against torch.compile's (issue 36, item 3): how long the first step
+of ``remat_compiler.compile`` takes on the benchmark GPT-2, split into the compiler's parts, and the
+plan's FLOPs against a longer solve's.
+
+For each time limit (the library default, then ``--long``): a fresh copy of the model, compiled at
+``--budget`` (a fraction of the no-recompute peak), one step timed from the call to the end of
+backward; the parts are ``CompiledModule.planned.timings`` (annotate: passes and costing; solve;
+check; emit; check emitted), the rest of the call is AOTAutograd's trace and the step itself. Then
+``torch.compile`` of another copy, its first step timed the same way.
+
+    python -m benchmarks.first_call                 # full size, about 2.5 minutes on 2 cores
+    python -m benchmarks.first_call --quick --long 5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+
+__all__ = ["first_call", "main"]
+
+
+def first_call(model, args, kwargs, **compile_options) -> dict:
+    """One compiled step of a copy of ``model`` from the call to the end of backward, with its parts."""
+    import remat_compiler as rc
+
+    net = copy.deepcopy(model)
+    compiled = rc.compile(net, **compile_options)
+    t0 = time.perf_counter()
+    compiled(*args, **kwargs).loss.backward()
+    total = time.perf_counter() - t0
+    plan = compiled.plan
+    return {"total_s": total, "parts": dict(compiled.planned.timings), "status": plan.status, "gap": plan.gap,
+            "recompute_flops": plan.recompute_flops, "peak": plan.peak_bytes, "budget": plan.budget_bytes}
+
+
+def main(argv=None) -> int:
+    from benchmarks.workloads import WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.first_call", description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", type=float, default=0.5, help="fraction of the no-recompute peak (0.5)")
+    parser.add_argument("--long", type=float, default=60.0, help="the longer solve's time limit, s (60)")
+    parser.add_argument("--quick", action="store_true", help="the quick GPT-2 (2 layers, width 64)")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model, args, kwargs = WORKLOADS["gpt2"].build(quick=opts.quick)
+    print("| first call | total | trace and step | annotate | solve | emit and checks | status (gap) "
+          "| recompute FLOPs | peak / budget |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, limit in (("remat_compiler, default limit", None), (f"remat_compiler, {opts.long:g} s", opts.long)):
+        r = first_call(model, args, kwargs, memory_budget=opts.budget,
+                       **({} if limit is None else {"time_limit_s": limit}))
+        p = r["parts"]
+        rest = p.get("emit", 0) + p.get("check", 0) + p.get("check emitted", 0)
+        print(f"| {label} | {r['total_s']:.1f} s | {r['total_s'] - sum(p.values()):.1f} s | "
+              f"{p.get('annotate', 0):.2f} s | {p.get('solve', 0):.1f} s | {rest:.2f} s | "
+              f"{r['status']} ({r['gap']:.2%}) | {r['recompute_flops']:,} | {r['peak']:,} / {r['budget']:,} |",
+              flush=True)
+    net = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    torch.compile(net)(*args, **kwargs).loss.backward()
+    print(f"| torch.compile | {time.perf_counter() - t0:.1f} s |  |  |  |  |  |  |  |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
