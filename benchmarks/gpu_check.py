@@ -58,14 +58,14 @@ def build_gpt2(device: str, quick: bool):
 
 
 def llama_config(c: dict, seq: int):
-    """The benchmark Llama's config (``c``: :data:`LLAMA` or :data:`LLAMA_QUICK`) for sequences up to ``seq``."""
+    """The benchmark Llama's config (``c``: :data:`LLAMA` or :data:`LLAMA_QUICK`) for sequences up to
+    ``seq``, transformers' defaults otherwise."""
     import transformers
 
     return transformers.LlamaConfig(
         vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["ffn"],
         num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-        max_position_embeddings=max(128, seq), use_cache=False,
-        bos_token_id=c["vocab"] - 1, eos_token_id=c["vocab"] - 1)
+        max_position_embeddings=max(128, seq), bos_token_id=c["vocab"] - 1, eos_token_id=c["vocab"] - 1)
 
 
 def build_llama(device: str, quick: bool):
@@ -74,7 +74,10 @@ def build_llama(device: str, quick: bool):
     c = LLAMA_QUICK if quick else LLAMA
     torch.manual_seed(0)
     config = llama_config(c, c["seq"])
-    config._attn_implementation = "eager"  # the graph a CPU-made plan was traced with (sdpa differs)
+    # the config the plan files in data/cuda_plans were traced with (sdpa's graph differs, and so may
+    # a step that builds a cache): applying them needs the same graph
+    config._attn_implementation = "eager"
+    config.use_cache = False
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
     model.loss_type = "ForCausalLM"

@@ -6,7 +6,7 @@ import click
 from remat_compiler.cli.console import Console
 from remat_compiler.cli.options import device_option, drop_outputs_option, model_source, time_limit_option
 from remat_compiler.cli.params import BUDGET, check_budget_list, check_solver, writable
-from remat_compiler.cli.source import given_flags, hold_outputs_for, load_source
+from remat_compiler.cli.source import hold_outputs_for, load_source, refuse_flags
 from remat_compiler.cli.steps import apply_saved_plan, emit_text, plan_workload, render, sweep_workload, write_timeline
 
 __all__ = ["plan"]
@@ -51,22 +51,18 @@ def plan(ctx: click.Context, budget: str | None, solver: str, fmt: str, output: 
     needs shapes and dtypes only, and the plan is the one real weights give."""
     console: Console = ctx.obj
     if pareto_budgets is not None:
-        given = given_flags(ctx, {"budget": "--budget", "load_path": "--load", "objective": "--objective",
-                                  "plan_cache": "--plan-cache", "output": "--output", "fmt": "--format",
-                                  "all_rows": "--all"})
-        if given:
-            raise click.UsageError(f"--pareto sweeps its own budgets into a table; {', '.join(given)} "
-                                   "cannot be used with it")
+        refuse_flags(ctx, {"budget": "--budget", "load_path": "--load", "objective": "--objective",
+                           "plan_cache": "--plan-cache", "output": "--output", "fmt": "--format",
+                           "all_rows": "--all"},
+                     "--pareto sweeps its own budgets into a table; {flags} cannot be used with it")
         sweep_workload(console, load_source(ctx, console, source), pareto_budgets, solver, None, timeline, device,
                        hold_outputs_for(drop_outputs, source["hf_config"]), time_limit_s, fsdp=source["fsdp"])
         return
     if load_path is not None:
-        given = given_flags(ctx, {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
-                                  "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device",
-                                  "fsdp": "--fsdp"})
-        if given:
-            raise click.UsageError(f"--load applies a saved plan; {', '.join(given)} cannot be "
-                                   "used with it")
+        refuse_flags(ctx, {"budget": "--budget", "solver": "--solver", "time_limit_s": "--time-limit",
+                           "objective": "--objective", "plan_cache": "--plan-cache", "device": "--device",
+                           "fsdp": "--fsdp"},
+                     "--load applies a saved plan; {flags} cannot be used with it")
     workload = load_source(ctx, console, source)
     hold_outputs = hold_outputs_for(drop_outputs, source["hf_config"])
     if load_path is not None:

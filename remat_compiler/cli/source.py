@@ -8,8 +8,8 @@ from remat_compiler.hf_config import (ConfigError, build_causal_lm, causal_lm_wo
                                       load_config)
 from remat_compiler.workload import FactoryError, Workload, load_workload
 
-__all__ = ["load_factory_workload", "given_flags", "load_source", "load_hf_config", "check_seq_flag", "build_hf_model",
-           "note_model", "hold_outputs_for"]
+__all__ = ["load_factory_workload", "given_flags", "refuse_flags", "load_source", "load_hf_config",
+           "check_seq_flag", "build_hf_model", "note_model", "hold_outputs_for"]
 
 
 def load_factory_workload(spec: str, factory_kwargs: dict, console: Console) -> Workload:
@@ -27,6 +27,13 @@ def given_flags(ctx: click.Context, flags: dict[str, str]) -> list[str]:
             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
 
 
+def refuse_flags(ctx: click.Context, flags: dict[str, str], message: str) -> None:
+    """A usage error where any of ``flags`` was given: ``message`` with ``{flags}`` the given ones."""
+    given = given_flags(ctx, flags)
+    if given:
+        raise click.UsageError(message.format(flags=", ".join(given)))
+
+
 def load_source(ctx: click.Context, console: Console, source: dict) -> Workload:
     """The workload that :func:`model_source`'s options name; a missing, doubled or mismatched
     option, or a config that builds no model, is a bad argument."""
@@ -35,10 +42,8 @@ def load_source(ctx: click.Context, console: Console, source: dict) -> Workload:
         raise click.UsageError("name the model with MODULE:FACTORY or with --hf-config CONFIG.json (one of "
                                "them)")
     if factory is not None:
-        given = given_flags(ctx, {"batch": "--batch", "seq": "--seq", "dtype": "--dtype"})
-        if given:
-            raise click.UsageError(f"{', '.join(given)}: only with --hf-config (pass a factory's sizes with "
-                                   "--arg KEY=VALUE)")
+        refuse_flags(ctx, {"batch": "--batch", "seq": "--seq", "dtype": "--dtype"},
+                     "{flags}: only with --hf-config (pass a factory's sizes with --arg KEY=VALUE)")
         return load_factory_workload(factory, source["factory_kwargs"], console)
     if source["factory_kwargs"]:
         raise click.UsageError("--arg passes keyword arguments to a MODULE:FACTORY; the --hf-config "
