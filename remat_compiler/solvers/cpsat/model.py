@@ -40,8 +40,9 @@ from ortools.sat.python import cp_model
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import build_schedule, bw_time, recomputed_outputs, simulate
 from remat_compiler.solvers.cpsat.costs import cost_units
-from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
-                                                fixed_intervals, is_const, storage_readers)
+from remat_compiler.solvers.cpsat.parts import (add_candidate_intervals, add_decisions, add_first_need,
+                                                add_value_intervals, alloc_index, fixed_intervals, is_const,
+                                                storage_readers)
 
 __all__ = ["RematModel", "build_model", "hint", "exclude"]
 
@@ -129,22 +130,15 @@ def build_model(cg: CostGraph, budget_bytes: int | None, *, minimize: str = "cos
     # memory, on the simulator's node-level time axis (forward node i at time i, then bw_time)
     idx = cg.fw_index
     intervals, demands = [], []
-    aux: dict[str, dict] = {}
     for (a, z, size) in fixed:
         intervals.append(m.new_fixed_size_interval_var(a, z - a + 1, f"fix_{a}_{z}"))
         demands.append(size // unit)
-    for v in cands:
-        size = cg.attr(v, "bytes") // unit
-        a = alloc_index(cg, v)
-        e = max(fw_reads.get(v, a), a)
-        intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
-        demands.append(size)
-        if v not in in_m:
-            continue
-        more, more_demands, aux[v] = add_value_intervals(m, cg, v, size, s, r, st, F, B, e, bw_reads.get(v, -1),
-                                                         rc_readers.get(v, ()), in_m)
-        intervals += more
-        demands += more_demands
+    more, more_demands, aux = add_candidate_intervals(
+        m, cg, unit, fw_reads, in_m,
+        lambda v, size, e: add_value_intervals(m, cg, v, size, s, r, st, F, B, e, bw_reads.get(v, -1),
+                                               rc_readers.get(v, ()), in_m))
+    intervals += more
+    demands += more_demands
 
     for v in M:  # a recomputed multi-output op's untaken outputs, live while its getitems are taken
         if cg.attr(v, "is_tuple") and cg.attr(v, "bytes") > 0 and v not in cand_set:

@@ -9,7 +9,7 @@ from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import SimResult, bw_time, no_recompute
 
 __all__ = ["alloc_index", "is_const", "storage_readers", "fixed_intervals", "add_decisions", "add_first_need",
-           "add_value_life", "add_value_intervals"]
+           "add_value_life", "add_value_intervals", "add_candidate_intervals"]
 
 
 def alloc_index(cg: CostGraph, v: str) -> int:
@@ -188,3 +188,23 @@ def add_value_intervals(m: cp_model.CpModel, cg: CostGraph, v: str, size: int, s
     aux = {"last": last, "sv_size": sv_size, "sv_end": sv_end, "sv_start": sv_start, "rc_start": rc_start,
            "rc_size": rc_size, "rc_end": rc_end}
     return [saved, recomputed], [size, size], aux
+
+
+def add_candidate_intervals(m: cp_model.CpModel, cg: CostGraph, unit: int, fw_reads: dict, in_m,
+                            value_intervals) -> tuple[list, list, dict]:
+    """Every candidate's forward interval (from its allocation to its last forward read), and, for a
+    candidate in ``in_m`` (one backward may need), the intervals ``value_intervals(v, size, fw_end)``
+    returns (:func:`add_value_intervals` with the caller's backward reads): ``(intervals, demands, aux)``
+    in ``unit`` bytes, ``aux`` each such candidate's hint variables."""
+    intervals, demands, aux = [], [], {}
+    for v in cg.candidates:
+        size = cg.attr(v, "bytes") // unit
+        a = alloc_index(cg, v)
+        e = max(fw_reads.get(v, a), a)
+        intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
+        demands.append(size)
+        if v in in_m:
+            more, more_demands, aux[v] = value_intervals(v, size, e)
+            intervals += more
+            demands += more_demands
+    return intervals, demands, aux

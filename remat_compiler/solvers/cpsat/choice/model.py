@@ -14,8 +14,8 @@ from ortools.sat.python import cp_model
 from remat_compiler.schedule import bw_time, no_recompute, recomputed_outputs
 from remat_compiler.solvers.combine_choice import CombineUnion
 from remat_compiler.solvers.cpsat.costs import cost_units
-from remat_compiler.solvers.cpsat.parts import (add_decisions, add_first_need, add_value_intervals, alloc_index,
-                                                is_const, storage_readers)
+from remat_compiler.solvers.cpsat.parts import (add_candidate_intervals, add_decisions, add_first_need,
+                                                add_value_intervals, is_const, storage_readers)
 
 __all__ = ["Choice", "ChoiceModel", "union_steps", "build_choice_model", "piece_comm_units"]
 
@@ -211,18 +211,12 @@ def build_choice_model(union: CombineUnion, budget_bytes: int | None, *, objecti
             intervals.append(m.new_optional_fixed_size_interval_var(a, z - a + 1, when, f"opt_{i}"))
         demands.append(size // unit)
     idx = cg.fw_index
-    for v in cands:
-        size = cg.attr(v, "bytes") // unit
-        a = alloc_index(cg, v)
-        e = max(fw_reads.get(v, a), a)
-        intervals.append(m.new_fixed_size_interval_var(a, e - a + 1, f"fw_{v}"))
-        demands.append(size)
-        if v not in in_m:
-            continue
-        more, more_demands, _aux = add_value_intervals(m, cg, v, size, s, r, st, F, B, e, bw_last.get(v, -1),
-                                                       rc_readers.get(v, ()), in_m, cond_last.get(v, ()))
-        intervals += more
-        demands += more_demands
+    more, more_demands, _aux = add_candidate_intervals(
+        m, cg, unit, fw_reads, in_m,
+        lambda v, size, e: add_value_intervals(m, cg, v, size, s, r, st, F, B, e, bw_last.get(v, -1),
+                                               rc_readers.get(v, ()), in_m, cond_last.get(v, ())))
+    intervals += more
+    demands += more_demands
     cand_set = set(cands)
     for v in M:  # a recomputed multi-output op: its untaken outputs, and those it takes, while it runs
         if not cg.attr(v, "is_tuple"):
