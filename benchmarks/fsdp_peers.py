@@ -94,24 +94,32 @@ class ResizeAwareTracker(LiveStorageTracker):
 
 
 def _build(workload: str):
-    """A fresh model of ``workload``, the dotted path of its blocks, its vocabulary and (batch, seq)."""
+    """A fresh model of ``workload`` and the dotted path of its blocks."""
     import transformers
 
     from benchmarks.workloads import WORKLOADS as SPECS
 
     if workload == "llama":
         torch.manual_seed(0)
-        return (transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)), "model.layers",
-                SIZES["vocab_size"], (BATCH, SEQ))
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)), "model.layers"
     spec = SPECS[workload]
-    model, _args, kwargs = spec.build()
-    return model, spec.blocks, model.config.vocab_size, tuple(kwargs["input_ids"].shape)
+    return spec.build()[0], spec.blocks
+
+
+def _token_ids(workload: str, rank: int) -> torch.Tensor:
+    """This rank's token ids for ``workload``, of its vocabulary and (batch, seq)."""
+    from benchmarks.workloads import GPT2, MIXTRAL
+
+    vocab, shape = {"llama": (SIZES["vocab_size"], (BATCH, SEQ)),
+                    "gpt2": (GPT2["vocab_size"], (GPT2["batch"], GPT2["seq"])),
+                    "mixtral": (MIXTRAL["vocab"], (MIXTRAL["batch"], MIXTRAL["seq"]))}[workload]
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(rank))
 
 
 def _model(peer: str, workload: str = "llama"):
     from torch.distributed.fsdp import fully_shard
 
-    model, blocks, _vocab, _shape = _build(workload)
+    model, blocks = _build(workload)
     if peer == PEERS[2]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = model.get_submodule(blocks)
@@ -180,8 +188,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     workloads = os.environ["FSDP_PEERS_WORKLOADS"].split(",")
     rows = []
     for workload in workloads:
-        _m, _b, vocab, shape = _build(workload)
-        ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(rank))
+        ids = _token_ids(workload, rank)
         for peer in PEERS:
             with _peer_context(peer):
                 rows.append(_compare(remat_compiler, workload, peer, rank, ids))
