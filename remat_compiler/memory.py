@@ -228,9 +228,10 @@ class AllocatorPeak:
     (``empty_strided_cpu``, which :class:`LiveStorageTracker` sees only through
     :func:`remat_compiler.inductor.watch`), and the temporaries a kernel allocates inside itself,
     which no dispatch mode sees. The running sum of those events, in time order, peaks at
-    ``peak_bytes``. Frees of storage allocated before the block are not counted (the profiler does
-    not know their size; torch warns once that it leaves them out), so, as for
-    :class:`LiveStorageTracker`, the figure is what the block allocates on top of what was there.
+    ``peak_bytes``. Frees of storage allocated before the block are not counted, whether the profiler
+    knows their size (storage an earlier profiled block allocated) or not (torch warns once that it
+    leaves those out), so, as for :class:`LiveStorageTracker`, the figure is what the block
+    allocates on top of what was there.
     Memory that is not a tensor's storage (Python objects, malloc's own bookkeeping and
     fragmentation, thread stacks) is not counted: :class:`ResidentPeak` sees that too. Needs no
     special process environment, only that no other profiler is running.
@@ -276,22 +277,34 @@ class AllocatorPeak:
     def __exit__(self, *exc) -> bool:
         self._profiler.__exit__(*exc)
         results = getattr(getattr(self._profiler, "profiler", None), "kineto_results", None)
-        if results is None:
-            raise RuntimeError("AllocatorPeak: this torch's profiler keeps no kineto_results to read the "
+        if results is None or not hasattr(results, "experimental_event_tree"):
+            raise RuntimeError("AllocatorPeak: this torch's profiler keeps no event tree to read the "
                                "allocator's events from; measure with ResidentPeak instead")
-        events = results.events()
-        memory = sorted(((e.start_ns(), e.nbytes()) for e in events
-                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-                        key=lambda event: event[0])  # at equal times, in the order recorded
+        events = []
+        stack = list(reversed(results.experimental_event_tree()))
+        while stack:  # depth first, each node's children in the order they were recorded
+            node = stack.pop()
+            stack.extend(reversed(node.children))
+            fields = node.extra_fields
+            if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+                events.append((node.start_time_ns, len(events), fields.allocation_id, fields.alloc_size, node))
+        events.sort(key=lambda event: event[:2])  # at equal times, in the order recorded
+        # A free counts only where the block allocated that storage: a free of storage from before the
+        # block has no size to the profiler, and one from an earlier profiled block has, but belongs
+        # to the level the block started from.
+        mine: set[int] = set()
         live = peak = 0
-        peak_ns = None
-        for start_ns, nbytes in memory:
+        at_peak = None
+        for _, _, allocation, nbytes, node in events:
+            if nbytes > 0:
+                mine.add(allocation)
+                self.allocations += 1
+            elif allocation not in mine:
+                continue
             live += nbytes
-            self.allocations += nbytes > 0
             if live > peak:
-                peak, peak_ns = live, start_ns
+                peak, at_peak = live, node
         self.peak_bytes = peak
-        if peak_ns is not None:
-            around = [e for e in events if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.end_ns()]
-            self.peak_op = max(around, key=lambda e: e.start_ns()).name() if around else None
+        if at_peak is not None and at_peak.parent is not None:
+            self.peak_op = at_peak.parent.name
         return False
