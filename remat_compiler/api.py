@@ -34,7 +34,7 @@ from remat_compiler.fsdp.units import is_fsdp_model
 from remat_compiler.graph import CostGraph
 from remat_compiler.module import BACKENDS, CompiledModule, check_wrapper
 from remat_compiler.passes import CostModel
-from remat_compiler.pipeline import PlannedGraph, PlanSpec, annotate, decide, plan_joint, timed
+from remat_compiler.pipeline import COMPILE_TOLERANCE, PlannedGraph, PlanSpec, annotate, decide, plan_joint, timed
 from remat_compiler.plan import Plan
 from remat_compiler.plan_cache import PlanCache
 from remat_compiler.policies import Policy
@@ -246,7 +246,11 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         With ``max_seq_len``: the largest batch that shares the plan; None: the first call's.
     **solver_options :
         The solver's options (CP-SAT: ``time_limit_s`` for the whole solve, ``num_workers``,
-        ``deterministic``, ``objective``...; a hand-picked strategy takes none).
+        ``deterministic``, ``objective``, ``tolerance``...; a hand-picked strategy takes none).
+        CP-SAT's ``tolerance`` defaults here to
+        :data:`~remat_compiler.pipeline.COMPILE_TOLERANCE` (0.01): the search stops once the plan
+        is proven within 1% of the step's estimated cost of the best plan; ``tolerance=0``
+        searches to a proof of optimality (or the time limit), as ``plan_model`` does.
 
     Returns
     -------
@@ -267,7 +271,7 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     >>> loss_fn(m(x), y).backward(); print(m.plan.explain())         # doctest: +SKIP
     """
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model, plan=plan,
-                         plan_cache=plan_cache)
+                         plan_cache=plan_cache, defaults={"tolerance": COMPILE_TOLERANCE})
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile expects an nn.Module, got {type(model).__name__}")
     if backend not in BACKENDS:

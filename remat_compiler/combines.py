@@ -23,7 +23,7 @@ from remat_compiler.moe.segments import segment_combines, why_not_choosable
 from remat_compiler.passes import CostModel
 from remat_compiler.pipeline import PlanSpec, annotate, timed
 from remat_compiler.plan import Plan, moe_combine_of
-from remat_compiler.plan_cache import key_fields, key_of
+from remat_compiler.plan_cache import key_fields, key_of, serves
 from remat_compiler.runtime import distributed, on_rank0
 from remat_compiler.schedule import build_schedule, no_recompute, simulate
 from remat_compiler.solvers import SOLVERS, resolve_budget
@@ -63,7 +63,7 @@ def resolve_combines(spec: PlanSpec, model: torch.nn.Module, trace_once: Callabl
 
 #: The options of the default solver under which it chooses each MoE segment's combine (``progress``
 #: too: it reports the solve that follows when the choice finds no plan; the choice's own is silent).
-CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective", "deterministic"})
+CHOICE_OPTIONS = frozenset({"time_limit_s", "num_workers", "objective", "deterministic", "tolerance"})
 
 
 def chooses_combines(spec: PlanSpec, model: torch.nn.Module) -> bool:
@@ -215,7 +215,7 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         if modes is not None:  # a hit needs neither the fused trace nor the union
             cg = graphs["autograd"] if set(modes.values()) == {"autograd"} else traced_with(modes)
             cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: reported and re-planned
-        if cached is not None:
+        if cached is not None and serves(cached, spec.options):
             return (dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None),
                     ("plan", budget_bytes, cached.to_json()))
         store = (spec.plan_cache, key, fields)
@@ -250,6 +250,7 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
                            flipped_peak_bytes=flipped, flipped_recompute_s=flipped_s, store=store,
                            not_chosen={seg: why_not.get(seg) or _UNFUSED for seg in segments
                                        if seg not in choice.modes},
-                           fraction_base_bytes=no_recompute(graphs["autograd"]).peak_bytes)
+                           fraction_base_bytes=no_recompute(graphs["autograd"]).peak_bytes,
+                           tolerance=spec.options.get("tolerance", 0.0))
     return (dataclasses.replace(spec, budget=budget, combines=chosen, options={}, plan_cache=None),
             ("chosen", budget_bytes, modes))

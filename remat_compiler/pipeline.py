@@ -20,6 +20,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Iterator, Mapping
 
 import torch
@@ -37,7 +38,7 @@ from remat_compiler.graph import CostGraph
 from remat_compiler.moe.segments import segment_combines
 from remat_compiler.passes import CostModel, run_passes
 from remat_compiler.plan import Plan, make_plan
-from remat_compiler.plan_cache import PlanCache, key_fields, key_of
+from remat_compiler.plan_cache import PlanCache, key_fields, key_of, serves
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import distributed, plan_on_rank0
 from remat_compiler.schedule import SimResult
@@ -45,7 +46,15 @@ from remat_compiler.solvers import Strategy, get_solver, resolve_budget
 from remat_compiler.solvers.chosen import CombineChoice
 from remat_compiler.solvers.cpsat import SolveMemo
 
-__all__ = ["PlanSpec", "PlannedGraph", "plan_joint", "annotate", "decide", "fuse_recompute", "timed"]
+__all__ = ["PlanSpec", "PlannedGraph", "plan_joint", "annotate", "decide", "fuse_recompute", "timed",
+           "COMPILE_TOLERANCE"]
+
+#: The ``tolerance`` :func:`remat_compiler.compile` gives a searching solver that takes one, unless the
+#: caller gives one: its first call stops searching once the plan is proven within 1% of the step's
+#: estimated cost of the best plan (:func:`remat_compiler.solvers.cpsat.solve_cpsat`), rather than
+#: spend the time limit proving the last fraction of a percent. ``plan_model``, ``solve`` and the CLI
+#: search to the proof; ``compile(..., tolerance=0)`` does too.
+COMPILE_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -94,8 +103,10 @@ class PlanSpec:
     @classmethod
     def make(cls, memory_budget, solver, options: Mapping, *, policy: Policy | None = None,
              cost_model: CostModel | None = None, plan: Plan | str | bytes | None = None,
-             plan_cache: PlanCache | str | os.PathLike | None = None) -> "PlanSpec":
-        """Parse and check everything a plan needs before any tracing.
+             plan_cache: PlanCache | str | os.PathLike | None = None, defaults: Mapping = MappingProxyType({})
+             ) -> "PlanSpec":
+        """Parse and check everything a plan needs before any tracing. ``defaults``: options the
+        solver gets where it takes them and ``options`` does not give them.
 
         Raises
         ------
@@ -106,6 +117,8 @@ class PlanSpec:
         """
         strategy = get_solver(solver)
         strategy.check_options(options)
+        if strategy.options is not None:
+            options = {**{k: v for k, v in defaults.items() if k in strategy.options}, **options}
         check_time_limit(options.get("time_limit_s"))
         if policy is not None and not strategy.accepts_policy:
             raise ValueError(f"a policy constrains CP-SAT; solver {strategy.name!r} takes no forced saves "
@@ -251,7 +264,7 @@ def _looked_up_or_solved(cg: CostGraph, spec: PlanSpec, options: dict) -> tuple[
             fields["fused_recompute"] = True
         key = key_of(fields)
         cached = spec.plan_cache.load(key, cg, budget_bytes)
-        if cached is not None:
+        if cached is not None and serves(cached, options):
             return cached, "cache"
         plan = _solved(cg, spec, budget_bytes, options)
         spec.plan_cache.store(key, plan, fields)

@@ -39,13 +39,22 @@ from remat_compiler.passes.files import atomic_write_text
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION, Plan
 
-__all__ = ["PlanCache", "PlanCacheWarning", "cache_key", "key_fields", "key_of", "CACHE_SCHEMA_VERSION", "UNKEYED_OPTIONS"]
+__all__ = ["PlanCache", "PlanCacheWarning", "cache_key", "key_fields", "key_of", "serves", "CACHE_SCHEMA_VERSION",
+           "UNKEYED_OPTIONS"]
 
 #: The version of the cache file's wrapper (the plan inside has its own).
 CACHE_SCHEMA_VERSION = 1
 
-#: Solver options that do not change the plan: left out of the key.
-UNKEYED_OPTIONS = frozenset({"progress", "memo", "deadline"})
+#: Solver options left out of the key: those that do not change the plan, and ``tolerance``, which
+#: only lets the search stop sooner (a cached plan serves a request whose tolerance is at least the
+#: one it was made with, :func:`serves`: ``plan_model``'s proven plan serves ``compile``'s request).
+UNKEYED_OPTIONS = frozenset({"progress", "memo", "deadline", "tolerance"})
+
+
+def serves(plan: Plan, options: Mapping) -> bool:
+    """Whether a cached ``plan`` answers a request with these solver ``options``: it was searched
+    at least as far (made with no larger a ``tolerance``)."""
+    return plan.extras.get("tolerance", 0.0) <= options.get("tolerance", 0.0)
 
 
 class PlanCacheWarning(UserWarning):

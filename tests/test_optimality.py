@@ -104,6 +104,37 @@ def test_cpsat_matches_brute_force(seed):
         assert plan.rerun and plan.peak_bytes <= peaks[0] - 1
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tolerance_stops_within_that_share_of_the_step_and_says_it_is_not_a_proof(seed):
+    """With ``tolerance``, the plan's cost is at most the brute-force optimum plus that fraction of
+    the whole step's estimated cost; its status says "optimal" only where it is the optimum."""
+    from remat_compiler.solvers.cpsat.costs import step_cost_units
+
+    model, x, cg = _graph(seed)
+    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
+                    for k in range(len(cg.candidates) + 1)
+                    for s in itertools.combinations(cg.candidates, k)})
+    budget = peaks[len(peaks) // 3]
+    best = brute_force(cg, budget)
+    step = step_cost_units(cg)
+    assert best > 0 and step > best
+    plan = solve_cpsat(cg, budget, time_limit_s=20, num_workers=2, tolerance=0.5)
+    check_plan(cg, plan)
+    cost = plan_cost_units(cg, plan)
+    assert plan.peak_bytes <= budget and best <= cost <= best + 0.5 * step
+    assert plan.extras["tolerance"] == 0.5
+    assert (plan.status == "optimal") == (plan.extras["cost_bound_units"] >= cost)
+    if plan.status == "optimal":
+        assert cost == best
+
+
+def test_a_tolerance_outside_zero_to_one_is_refused_by_name():
+    model, x, cg = _graph(0)
+    for bad in (-0.1, 1.0, "1%", True):
+        with pytest.raises(ValueError, match="tolerance="):
+            solve_cpsat(cg, None, tolerance=bad)
+
+
 @pytest.mark.parametrize("solver", sorted(rc.SOLVERS))
 def test_every_solver_passes_the_shared_validator_and_keeps_gradients(solver):
     """Every registered solver, on a model it applies to (a stack of MoE layers: repeated blocks and

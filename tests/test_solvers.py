@@ -196,3 +196,35 @@ def test_default_worker_count_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(WORKERS_ENV, bad)
         with pytest.raises(ValueError, match=WORKERS_ENV):
             make_solver(1.0, None, False)
+
+
+def test_compile_stops_within_its_default_tolerance_and_plan_model_searches_to_the_proof():
+    """``compile`` gives CP-SAT ``tolerance=COMPILE_TOLERANCE`` unless told otherwise (a first call
+    does not wait out the time limit for the last fraction of a percent); ``plan_model`` and
+    ``compile(..., tolerance=0)`` search to the proof. A solver that takes no tolerance gets none."""
+    from remat_compiler.pipeline import COMPILE_TOLERANCE
+
+    torch.manual_seed(0)
+
+    class LossOfChain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                                     nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    model = LossOfChain()
+    x = torch.randn(2048, 32)
+    compiled = rc.compile(model, memory_budget=0.9, time_limit_s=5, num_workers=2)
+    compiled(x).backward()
+    assert COMPILE_TOLERANCE == 0.01 and compiled.plan.extras["tolerance"] == COMPILE_TOLERANCE
+    proving = rc.compile(model, memory_budget=0.9, time_limit_s=5, num_workers=2, tolerance=0)
+    proving(x).backward()
+    assert "tolerance" not in proving.plan.extras
+    assert "tolerance" not in rc.plan_model(model, (x,), memory_budget=0.9, time_limit_s=5, num_workers=2
+                                            ).plan.extras
+    from remat_compiler.pipeline import PlanSpec
+
+    assert "tolerance" not in PlanSpec.make(0.9, "greedy", {}, defaults={"tolerance": COMPILE_TOLERANCE}).options

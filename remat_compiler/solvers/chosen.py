@@ -66,6 +66,8 @@ class CombineChoice:
         segment; each plan entry of ``extras["moe_combine"]`` records it (explain() prints it).
     store : tuple, optional
         ``(plan_cache, key, fields)``: store the chosen plan there once it is made.
+    tolerance : float
+        The ``tolerance`` the choice's solve stopped within (the plan records it where above 0).
 
     Example
     -------
@@ -85,6 +87,7 @@ class CombineChoice:
     fraction_base_bytes: int | None = None
     why: str | Mapping[str, str] | None = None
     store: tuple[Any, str, dict] | None = None
+    tolerance: float = 0.0
 
     @property
     def chosen(self) -> bool:
@@ -122,6 +125,8 @@ class CombineChoice:
         for seg, c in combine.items():
             c["why"] = why[seg]
         base = {} if self.fraction_base_bytes is None else {"fraction_base_bytes": self.fraction_base_bytes}
+        if self.tolerance > 0:
+            base["tolerance"] = self.tolerance
         return make_plan(cg, saved, budget_bytes=budget_bytes, solver="cpsat", status=self.status, gap=self.gap,
                          solve_time_s=self.solve_time_s, model_peak_bytes=self.model_peak_bytes,
                          extras={"moe_combine": combine, **base})

@@ -21,7 +21,7 @@ from __future__ import annotations
 from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
-from remat_compiler.solvers.cpsat.costs import OBJECTIVES, cost_units, flop_gap, plan_cost_units
+from remat_compiler.solvers.cpsat.costs import OBJECTIVES, check_tolerance, cost_units, flop_gap, plan_cost_units
 from remat_compiler.solvers.cpsat.memo import SolveMemo
 from remat_compiler.solvers.cpsat.minpeak import min_feasible_peak
 from remat_compiler.solvers.cpsat.model import RematModel, build_model
@@ -36,7 +36,7 @@ __all__ = ["solve_cpsat", "OPTIONS", "SolveMemo", "min_feasible_peak", "cost_uni
 #: The options :func:`solve_cpsat` takes (the solver registry refuses others).
 OPTIONS = frozenset({"time_limit_s", "num_workers", "deterministic", "minimize_peak", "forced_saved",
                      "forbidden_saved", "progress", "warm_start", "block_reuse", "block_reuse_share",
-                     "objective", "reruns", "memo", "deadline"})
+                     "objective", "reruns", "memo", "deadline", "tolerance"})
 
 
 def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float = 30.0,
@@ -44,7 +44,7 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
                 forced_saved=(), forbidden_saved=(), progress=None, warm_start: bool = True,
                 block_reuse: bool = True, block_reuse_share: float = 0.4, objective: str = "runtime",
                 reruns: bool = True, memo: SolveMemo | None = None, solver_name: str = "cpsat",
-                deadline: Deadline | None = None) -> Plan:
+                deadline: Deadline | None = None, tolerance: float = 0.0) -> Plan:
     """Minimise recompute cost subject to the simulated peak <= ``budget_bytes``.
 
     Parameters
@@ -100,6 +100,15 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
         hands over what is left.
     solver_name : str
         The name the plan records (``"moe_cpsat"`` when that strategy calls this one).
+    tolerance : float
+        Stop the cost search once the plan is proven within this fraction of the whole step's
+        estimated cost (every op of forward and backward once, :func:`.costs.step_cost_units`) of
+        the best plan, rather than at a proof of optimality or the time limit; the peak tie-break
+        then runs no longer than the search did. 0 (default here): search to the proof.
+        :func:`remat_compiler.compile` passes :data:`remat_compiler.pipeline.COMPILE_TOLERANCE`
+        unless given one, so a first call does not wait out the time limit for a proof worth a
+        fraction of a percent of the step. The plan's ``status`` stays "feasible" and its ``gap``
+        the proven one unless the bound meets the cost.
 
     Returns
     -------
@@ -112,17 +121,19 @@ def solve_cpsat(cg: CostGraph, budget_bytes: int | None, *, time_limit_s: float 
     InfeasibleBudgetError
         If no plan fits; it names the smallest feasible budget.
     ValueError
-        For an unknown ``objective``, or a ``memo`` with ``deterministic``.
+        For an unknown ``objective``, a ``tolerance`` outside [0, 1), or a ``memo`` with
+        ``deterministic``.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
+    tolerance = check_tolerance(tolerance)
     if deterministic and memo is not None:
         raise ValueError("deterministic=True promises the plan of the arguments alone: pass no memo")
     if deadline is None:
         deadline = Deadline(time_limit_s, deterministic=deterministic)
     job = Job(cg, budget_bytes, objective, deadline,
               memo if memo is not None else SolveMemo(), tuple(forced_saved), tuple(forbidden_saved),
-              num_workers, reruns)
+              num_workers, reruns, tolerance=tolerance)
     start = seed(job, heuristics=warm_start, block_reuse=block_reuse, block_reuse_share=block_reuse_share)
     floor = None
     if budget_bytes is not None and start.saved is None and warm_start:

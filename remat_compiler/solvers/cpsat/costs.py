@@ -6,7 +6,8 @@ import math
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 
-__all__ = ["OBJECTIVES", "cost_units", "plan_cost_units", "flop_gap", "flops_status"]
+__all__ = ["OBJECTIVES", "cost_units", "plan_cost_units", "step_cost_units", "check_tolerance", "flop_gap",
+           "flops_status"]
 
 OBJECTIVES = ("runtime", "flops")
 
@@ -26,6 +27,20 @@ def cost_units(cg: CostGraph, n: str, objective: str = "runtime") -> int:
     if objective == "flops":
         return cg.attr(n, "flops") // 1000 + 1
     raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
+
+
+def step_cost_units(cg: CostGraph, objective: str = "runtime") -> int:
+    """The whole step's cost in the objective's units: every op of forward and backward run once
+    (what a ``tolerance`` is a fraction of)."""
+    return sum(cost_units(cg, n, objective) for n in cg.order)
+
+
+def check_tolerance(tolerance) -> float:
+    """``tolerance`` as a float in [0, 1), or ValueError saying what it is."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r}: expected a fraction of the step's estimated cost in [0, 1) "
+                         f"(0 proves the plan optimal; 0.01 stops within 1% of the step of the best plan)")
+    return float(tolerance)
 
 
 def flop_gap(cg: CostGraph, recomputed, bound_units: float) -> float:

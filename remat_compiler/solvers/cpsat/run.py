@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import build_schedule
-from remat_compiler.solvers.cpsat.costs import cost_units
+from remat_compiler.solvers.cpsat.costs import cost_units, step_cost_units
 from remat_compiler.solvers.cpsat.memo import SolveMemo
 from remat_compiler.solvers.cpsat.model import RematModel, build_model
 
@@ -139,6 +139,9 @@ class Job:
     num_workers : int | None
     reruns : bool
         Whether plans may recompute a value more than once.
+    tolerance : float
+        The cost searches stop once the plan is proven within this fraction of the whole step's
+        estimated cost of the best plan (0: proven optimal, or the time limit).
     models : dict
         The models built for this job (see :meth:`cost_model`), shared by its phases' copies.
     """
@@ -152,6 +155,7 @@ class Job:
     forbidden_saved: tuple = ()
     num_workers: int | None = None
     reruns: bool = True
+    tolerance: float = 0.0
     models: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -182,16 +186,32 @@ class Job:
         """What the plan that saves ``saved`` (and reruns ``rerun``) recomputes."""
         return build_schedule(self.cg, saved, rerun).recomputed
 
+    def gap_units(self, cost_gcd: int = 1) -> int:
+        """The absolute gap at which a cost search stops, in a model's units (costs over ``cost_gcd``):
+        :attr:`tolerance` of the step's estimated cost."""
+        if self.tolerance <= 0:
+            return 0
+        if "step_units" not in self.models:
+            self.models["step_units"] = step_cost_units(self.cg, self.objective)
+        return int(self.tolerance * self.models["step_units"]) // cost_gcd
+
     def complies(self, saved) -> bool:
         """Whether a saved set honours the policy's forced and forbidden saves."""
         saved = set(saved)
         return set(self.forced_saved) <= saved and not saved & set(self.forbidden_saved)
 
     def solve(self, model: cp_model.CpModel, seconds: float, *, callback=None, seed: int = 0,
-              deadline: Deadline | None = None) -> tuple[int, cp_model.CpSolver]:
-        """Search ``model`` for ``seconds`` (charged to ``deadline``, default the job's);
-        returns (status, solver)."""
+              deadline: Deadline | None = None, gap_units: int = 0, relative_gap: float = 0.0
+              ) -> tuple[int, cp_model.CpSolver]:
+        """Search ``model`` for ``seconds`` (charged to ``deadline``, default the job's), stopping
+        early once the objective is proven within ``gap_units`` (absolute, the model's units) or
+        ``relative_gap`` of the best; returns (status, solver). CP-SAT then says OPTIMAL: compare
+        the bound with the objective to know whether it is proven."""
         solver = make_solver(seconds, self.num_workers, self.deterministic, seed)
+        if gap_units > 0:
+            solver.parameters.absolute_gap_limit = float(gap_units)
+        if relative_gap > 0:
+            solver.parameters.relative_gap_limit = float(relative_gap)
         status = run_solver(solver, model, callback, deadline or self.deadline)
         if status == cp_model.MODEL_INVALID:
             raise RuntimeError(f"CP-SAT model invalid: {model.validate()}")

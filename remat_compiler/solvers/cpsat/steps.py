@@ -47,6 +47,7 @@ class Found:
     optimal: bool
     rerun: list[tuple[str, int]] = field(default_factory=list)
     final: bool = False
+    search_s: float | None = None  # how long the cost search ran, when it ran
 
     @property
     def gap(self) -> float:
@@ -116,15 +117,18 @@ def search(job: Job, rm: RematModel, start: Seed, relaxed: float | None, progres
     g = rm.cost_gcd
     if start.decomposed and relaxed is not None:
         cost = job.cost(start.saved) // g
-        if cost <= relaxed + max(1.0, 1e-5 * cost):
+        if cost <= relaxed + max(1.0, 1e-5 * cost, job.gap_units(g)):
             found = _known(job, start.saved, relaxed * g, optimal=relaxed >= cost)
             if progress is not None:
                 progress.report(found.cost // g, relaxed)
             return found
     seconds = max(MIN_SLICE_S, share * job.deadline.seconds - job.deadline.elapsed())
-    status, solver = job.solve(rm.model, seconds, callback=progress)
+    t0 = job.deadline.wall_elapsed()
+    status, solver = job.solve(rm.model, seconds, callback=progress, gap_units=job.gap_units(g))
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _solved(rm, solver, status, relaxed)
+        found = _solved(rm, solver, status, relaxed, proven_only=job.tolerance > 0)
+        found.search_s = job.deadline.wall_elapsed() - t0
+        return found
     if status == cp_model.UNKNOWN and start.saved is not None:
         # CP-SAT stopped before reaching the hinted plan (a big graph's presolve): that plan fits
         bound = max(solver.best_objective_bound, relaxed or 0.0)
@@ -194,7 +198,9 @@ def peak_at_cost(job: Job, found: Found, build_s: float) -> Found:
                      forced_saved=job.forced_saved, forbidden_saved=job.forbidden_saved, objective=job.objective)
     hint(rm, job.cg, found.saved)
     seconds = max(MIN_SLICE_S, min(job.deadline.left() - reserve, SHARES["peak"] * T))
-    status, solver = job.solve(rm.model, seconds)
+    if job.tolerance > 0:  # a search stopped within tolerance: the tie-break takes no longer than it did
+        seconds = min(seconds, max(MIN_SLICE_S, found.search_s or 0.0))
+    status, solver = job.solve(rm.model, seconds, relative_gap=job.tolerance)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         found.saved = {v for v, var in rm.saved.items() if solver.value(var)}
         found.model_peak = solver.value(rm.peak) * rm.unit_bytes
@@ -208,6 +214,8 @@ def finish(job: Job, found: Found, solver_name: str) -> Plan:
     status = "optimal" if found.optimal else "feasible"
     gap = found.gap
     extras = {"cost_units": found.cost, "cost_bound_units": found.bound, "objective": job.objective}
+    if job.tolerance > 0:
+        extras["tolerance"] = job.tolerance
     if job.objective == "flops":
         status, gap, more = flops_status(cg, build_schedule(cg, found.saved, found.rerun).recomputed, status,
                                          gap, found.bound)
@@ -220,13 +228,16 @@ def finish(job: Job, found: Found, solver_name: str) -> Plan:
     return plan
 
 
-def _solved(rm: RematModel, solver: cp_model.CpSolver, status: int, relaxed: float | None) -> Found:
-    """The plan CP-SAT returned, with its cost and the best bound known (model units times the gcd)."""
+def _solved(rm: RematModel, solver: cp_model.CpSolver, status: int, relaxed: float | None, *,
+            proven_only: bool = False) -> Found:
+    """The plan CP-SAT returned, with its cost and the best bound known (model units times the gcd).
+    ``proven_only``: the search stopped at a gap limit, where CP-SAT's OPTIMAL means only "within
+    it": the plan is optimal where the bound meets the cost."""
     cost = int(round(solver.objective_value))
     bound = max(solver.best_objective_bound, relaxed or 0.0)
     return Found({v for v, var in rm.saved.items() if solver.value(var)}, cost * rm.cost_gcd,
                  bound * rm.cost_gcd, solver.value(rm.peak) * rm.unit_bytes,
-                 optimal=status == cp_model.OPTIMAL or bound >= cost)
+                 optimal=(status == cp_model.OPTIMAL and not proven_only) or bound >= cost)
 
 
 def _known(job: Job, saved, bound: float, *, optimal: bool) -> Found:

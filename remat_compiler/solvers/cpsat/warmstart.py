@@ -112,7 +112,8 @@ def tied_blocks(job: Job, seconds: float, start=None) -> set[str] | None:
         return None
     if start is not None:
         hint(rm, job.cg, start)
-    status, solver = job.solve(rm.model, max(MIN_PHASE_S, clock.left()), deadline=clock)
+    status, solver = job.solve(rm.model, max(MIN_PHASE_S, clock.left()), deadline=clock,
+                               gap_units=job.gap_units(rm.cost_gcd))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return {v for v, var in rm.saved.items() if solver.value(var)}
@@ -168,7 +169,7 @@ def _fix_up(job: Job, found, clock) -> set[str] | None:
                      forced_saved=[v for v in blocks if v in found.saved],
                      forbidden_saved=[v for v in blocks if v not in found.saved])
     hint(rm, job.cg, found.saved)
-    status, solver = job.solve(rm.model, max(0.5, clock.left()), deadline=clock)
+    status, solver = job.solve(rm.model, max(0.5, clock.left()), deadline=clock, gap_units=job.gap_units(rm.cost_gcd))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     saved = {v for v, var in rm.saved.items() if solver.value(var)}

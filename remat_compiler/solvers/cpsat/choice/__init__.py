@@ -46,6 +46,7 @@ from remat_compiler.solvers.cpsat.choice.model import (Choice, ChoiceModel, buil
 from remat_compiler.solvers.cpsat.choice.reasons import reasons
 from remat_compiler.solvers.cpsat.choice.start import WarmStart, warm_choice
 from remat_compiler.schedule import build_schedule, no_recompute, save_all_set
+from remat_compiler.solvers.cpsat.costs import check_tolerance, step_cost_units
 from remat_compiler.solvers.cpsat.parts import is_const
 from remat_compiler.solvers.cpsat.run import make_solver, run_solver
 from remat_compiler.solvers.greedy import best_heuristic_set
@@ -105,7 +106,7 @@ def hint_pure_choice(cm: ChoiceModel, union: CombineUnion, budget_bytes: int | N
 
 def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s: float = 30.0,
                  num_workers: int | None = None, objective: str = "runtime", deterministic: bool = False,
-                 deadline: Deadline | None = None) -> Choice:
+                 deadline: Deadline | None = None, tolerance: float = 0.0) -> Choice:
     """Choose every segment's combine and the saved set in one CP-SAT model, solved in two stages
     on one clock: the least recompute cost, then (``cost <= best``, hinted with the first stage's
     solution) the least peak at it. (One lexicographic objective ``cost * (peak_hi + 1) + peak``
@@ -126,6 +127,10 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
         every run and machine, whatever its load.
     deadline : Deadline, optional
         The clock to take the stages' time from (default: a new one of ``time_limit_s``).
+    tolerance : float
+        As :func:`~remat_compiler.solvers.cpsat.solve_cpsat` takes it: the cost stage stops once
+        proven within this fraction of the step's estimated cost (the autograd graph's) of the
+        best choice, and the peak stage within this fraction of the least peak.
 
     Returns
     -------
@@ -147,7 +152,11 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     deterministic = deadline.deterministic
     cm = build_choice_model(union, budget_bytes, objective=objective)
     warm = hint_pure_choice(cm, union, budget_bytes, deadline)
+    tolerance = check_tolerance(tolerance)
     solver = make_solver(deadline.slice(0.8), num_workers, deterministic=deterministic)
+    if tolerance > 0:
+        solver.parameters.absolute_gap_limit = float(int(tolerance * step_cost_units(union.graphs["autograd"],
+                                                                                      objective)))
     status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE or warm is None:
@@ -161,6 +170,8 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     else:
         bound = solver.best_objective_bound
     best = int(solver.value(cm.cost))
+    if tolerance > 0 and bound < best:  # stopped within the tolerance: OPTIMAL says only that
+        status = cp_model.FEASIBLE
     gap = 0.0 if status == cp_model.OPTIMAL or best == 0 else min(1.0, max(0.0, best - bound) / best)
     found = solver
     if not isinstance(cm.cost, int):  # some value costs something: the least peak at the least cost
@@ -171,6 +182,7 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
             cm.model.proto.solution_hint.values.append(value)
         cm.model.minimize(cm.peak)
         second = make_solver(deadline.slice(), num_workers, deterministic=deterministic)
+        second.parameters.relative_gap_limit = tolerance
         if _checked(run_solver(second, cm.model, deadline=deadline), cm.model) in (cp_model.OPTIMAL,
                                                                                       cp_model.FEASIBLE):
             found = second
