@@ -34,6 +34,12 @@ graphs Dynamo compiled.
 
     python -m benchmarks.fsdp_peers                              # all three workloads, ~10 minutes
     python -m benchmarks.fsdp_peers --workloads llama --json out.json
+    python -m benchmarks.fsdp_peers --workloads gpt2 --peers 3 --backend inductor   # ours under Inductor
+
+With ``--backend inductor`` our step runs Inductor's code: every row is then measured by
+``AllocatorPeak`` (a dispatch-mode tracker sees none of Inductor's buffers) and our FLOPs are not
+counted (the flop counter sees none inside Inductor's kernels). ``--peers`` picks peers by their
+index in :data:`PEERS` (0-3, comma-separated).
 """
 from __future__ import annotations
 
@@ -186,24 +192,26 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     torch.set_num_threads(1)
     workloads = os.environ["FSDP_PEERS_WORKLOADS"].split(",")
+    peers = [PEERS[int(i)] for i in os.environ.get("FSDP_PEERS_PEERS", "0,1,2,3").split(",")]
+    backend = os.environ.get("FSDP_PEERS_BACKEND", "eager")
     rows = []
     for workload in workloads:
         ids = _token_ids(workload, rank)
-        for peer in PEERS:
+        for peer in peers:
             with _peer_context(peer):
-                rows.append(_compare(remat_compiler, workload, peer, rank, ids))
+                rows.append(_compare(remat_compiler, workload, peer, rank, ids, backend))
     torch.save({"rows": rows}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def _compare(remat_compiler, workload: str, peer: str, rank: int, ids) -> dict:
+def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: str = "eager") -> dict:
     from torch._dynamo.utils import counters
 
     from remat_compiler.memory import AllocatorPeak
 
     # torch.compile's code runs only with no dispatch mode on: its peer, and ours beside it, are measured
     # by the allocator's profiler events (which also see FSDP2's storage resizes and kernels' temporaries)
-    meter = AllocatorPeak if peer == PEERS[3] else ResizeAwareTracker
+    meter = AllocatorPeak if peer == PEERS[3] or backend == "inductor" else ResizeAwareTracker
     counters.clear()
     try:
         model = _model(peer, workload)
@@ -216,7 +224,7 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids) -> dict:
     budget = _max_over_ranks(peak)
     peer_flops = None if peer == PEERS[3] else _flops(step)
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
-                                time_limit_s=20, num_workers=1)
+                                time_limit_s=20, num_workers=1, backend=backend)
     cstep = _step(cm, ids)
     cstep()
     plan = cm.plan
@@ -232,7 +240,8 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids) -> dict:
             "predicted": plan.peak_bytes, "measured": max(cpeaks),
             "peer_step_s": statistics.median(times["peer"]),
             "compiled_step_s": statistics.median(times["compiled"]),
-            "peer_flops": peer_flops, "compiled_flops": _flops(cstep),
+            "peer_flops": peer_flops, "compiled_flops": _flops(cstep) if backend == "eager" else None,
+            "backend": backend,
             "plan_flops": plan.baseline_flops + plan.recompute_flops,
             "recompute_flops": plan.recompute_flops, "regather_bytes": plan.recompute_comm_bytes,
             "units": {u["unit"]: u["choice"] for u in plan.extras.get("fsdp_units", [])}}
@@ -249,7 +258,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         kept = sum(c == "kept" for c in r["units"].values())
         flops = (f"{r['peer_flops'] / 1e9:.3f} G / " if r["peer_flops"] is not None else "not counted / ") + \
-            f"{r['compiled_flops'] / 1e9:.3f} G"
+            (f"{r['compiled_flops'] / 1e9:.3f} G" if r.get("compiled_flops") is not None else "not counted")
         peer = r["peer"] + (f" ({r['peer_graphs']} graphs compiled)" if r.get("peer_graphs") else "")
         lines.append(f"| {r['workload']} | {peer} | {r['rank']} | {r['peer_peak']:,} | {r['budget']:,} | "
                      f"{r['predicted']:,} | {r['measured']:,} | {flops} | {r['regather_bytes']:,} | "
@@ -262,14 +271,20 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--json", help="also write the rows here (benchmarks/data/fsdp_peers.json for RESULTS.md)")
+    parser.add_argument("--peers", default="0,1,2,3", help="indices into PEERS, comma-separated (default: all)")
+    parser.add_argument("--backend", choices=("eager", "inductor"), default="eager",
+                        help="what runs our step (default eager)")
     args = parser.parse_args(argv)
+    if not set(args.peers.split(",")) <= {str(i) for i in range(len(PEERS))}:
+        parser.error(f"--peers takes indices 0-{len(PEERS) - 1} of {PEERS}")
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import dist_spawn
 
-    os.environ["FSDP_PEERS_WORKLOADS"] = args.workloads
+    os.environ.update(FSDP_PEERS_WORKLOADS=args.workloads, FSDP_PEERS_PEERS=args.peers,
+                      FSDP_PEERS_BACKEND=args.backend)
     with tempfile.TemporaryDirectory() as out:
         dist_spawn.spawn_ranks(run_rank, 2, out, timeout_s=3600, start_method="spawn")
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]

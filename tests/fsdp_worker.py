@@ -133,14 +133,14 @@ def plan_facts(cm) -> dict:
             "recompute_comm_bytes": plan.recompute_comm_bytes, "source": cm.planned.source}
 
 
-def compare_chain(rank: int, mp_policy, budget) -> dict:
+def compare_chain(rank: int, mp_policy, budget, backend: str = "eager") -> dict:
     batch = chain_batch(rank)
     ref = make_chain(mp_policy)
     eager = train(ref, chain_step(ref, batch))
     model = make_chain(mp_policy)
-    cm = remat_compiler.compile(model, memory_budget=budget, **CPSAT)
+    cm = remat_compiler.compile(model, memory_budget=budget, backend=backend, **CPSAT)
     got = train(model, chain_step(cm, batch), params=cm.parameters())
-    return {"eager": eager, "compiled": got, "plan": plan_facts(cm)}
+    return {"eager": eager, "compiled": got, "plan": plan_facts(cm), "backend": cm.planned.backend}
 
 
 def compare_llama(rank: int, mp_policy, budget) -> dict:
@@ -328,6 +328,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         res["chain"] = compare_chain(rank, None, 0.85)
         res["chain_mp"] = compare_chain(rank, MP, 0.85)
+        res["chain_inductor"] = compare_chain(rank, None, 0.85, backend="inductor")
         res["llama"] = compare_llama(rank, None, 0.9)
         res["llama_mp"] = compare_llama(rank, MP, None)
         res["mixed"] = reshard_choice(rank)

@@ -66,6 +66,18 @@ def test_sequential_trains_like_fsdp2_eager(ranks, key):
     _assert_plan_on_ranks(ranks, key)
 
 
+def test_the_sharded_step_under_inductor_trains_like_fsdp2_eager(ranks):
+    """backend="inductor" on the FSDP2-sharded chain: the planned step, collectives included, compiled
+    by Inductor on every rank from rank 0's plan, trains 5 AdamW steps like FSDP2 eager. (Its peak is
+    Inductor's buffers', which the tracker does not see: benchmarks.fsdp_peers --backend inductor
+    measures it with the allocator.)"""
+    for r, res in enumerate(ranks):
+        assert res["chain_inductor"]["backend"] == "inductor", r
+        _assert_trains_like_eager(res["chain_inductor"], f"chain under Inductor, rank {r}")
+    digests = {res["chain_inductor"]["plan"]["digest"] for res in ranks}
+    assert len(digests) == 1 and ranks[0]["chain_inductor"]["plan"]["source"] == "solved"
+
+
 @pytest.mark.parametrize("key", ["llama", "llama_mp"])
 def test_llama_trains_like_fsdp2_eager(ranks, key):
     """A default-config LlamaForCausalLM (loss inside via labels), every decoder layer a unit, then
