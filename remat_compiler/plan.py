@@ -144,6 +144,8 @@ class Plan:
         head = [
             f"plan by {self.solver}: {self.status}"
             + (f" (gap {self.gap:.2%})" if self.status != "optimal" else "")
+            + (f", stopped within {self.extras['tolerance']:.0%} of the step's estimated cost of the best "
+               f"(tolerance)" if self.status != "optimal" and self.extras.get("tolerance") else "")
             + f", solved in {self.solve_time_s:.2f} s",
             f"budget            {human_bytes(self.budget_bytes) if self.budget_bytes else 'unlimited'}",
             f"predicted peak    {human_bytes(self.peak_bytes)}  ({self.peak_bytes} bytes)",

@@ -220,6 +220,8 @@ def test_compile_stops_within_its_default_tolerance_and_plan_model_searches_to_t
     compiled = rc.compile(model, memory_budget=0.9, time_limit_s=5, num_workers=2)
     compiled(x).backward()
     assert COMPILE_TOLERANCE == 0.01 and compiled.plan.extras["tolerance"] == COMPILE_TOLERANCE
+    head = compiled.plan.explain().splitlines()[0]
+    assert ("within 1% of the step" in head) == (compiled.plan.status == "feasible"), head
     proving = rc.compile(model, memory_budget=0.9, time_limit_s=5, num_workers=2, tolerance=0)
     proving(x).backward()
     assert "tolerance" not in proving.plan.extras
