@@ -329,7 +329,22 @@ def _fsdp_section(data_dir: str) -> list[str]:
             "larger rank's peak as\nits budget. Step times: medians of interleaved rounds, one process a rank "
             "(indicative); FLOPs (the flop counter's,\nwhich sees none inside Inductor's kernels nor in "
             "`grouped_mm`: see docs/fsdp.md) and bytes are exact.", "",
-            fsdp_peers.format_table(doc["rows"])]
+            fsdp_peers.format_table(doc["rows"]), *_fsdp_inductor_rows(data_dir)]
+
+
+def _fsdp_inductor_rows(data_dir: str) -> list[str]:
+    """The sharded step under ``backend="inductor"`` against the peers named in its file."""
+    if not _exists(data_dir, "fsdp_peers_inductor.json"):
+        return []
+    doc = _load_json("fsdp_peers_inductor.json", data_dir)
+    workloads = ",".join(dict.fromkeys(r["workload"] for r in doc["rows"]))
+    peers = ",".join(str(fsdp_peers.PEERS.index(p)) for p in dict.fromkeys(r["peer"] for r in doc["rows"]))
+    return ["", "### The same, our step under `backend=\"inductor\"`", "",
+            f"Command: `python -m benchmarks.fsdp_peers --workloads {workloads} --peers {peers} --backend inductor "
+            f"--json benchmarks/data/fsdp_peers_inductor.json`;\ncode: commit {doc['commit']}. Every row measured "
+            "by the allocator's events (a dispatch-mode tracker sees none of Inductor's\nbuffers); our FLOPs are "
+            "not counted inside Inductor's kernels; \"predicted\" is the peak walked in the code Inductor wrote.",
+            "", fsdp_peers.format_table(doc["rows"])]
 
 
 def _gpu_section(data_dir: str) -> list[str]:
