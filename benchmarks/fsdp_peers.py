@@ -163,9 +163,26 @@ def _measure(step, meter=None) -> tuple[int, float]:
     return max(peaks), statistics.median(times[1:])
 
 
+def count_grouped_mm() -> None:
+    """Give ``torch.utils.flop_counter`` the formula it lacks for ``aten._grouped_mm`` (the one the
+    planner's costs use, :func:`remat_compiler.passes.costs.grouped_mm_flops`), so that a peer whose
+    experts run one ``grouped_mm`` (FSDP2 eager's Mixtral) is counted as our step's expert loop is."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    from remat_compiler.passes.costs import grouped_mm_flops
+
+    if torch.ops.aten._grouped_mm in flop_registry:
+        return
+
+    @register_flop_formula(torch.ops.aten._grouped_mm)
+    def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return grouped_mm_flops(a_shape, b_shape, out_shape)
+
+
 def _flops(step) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
+    count_grouped_mm()
     with FlopCounterMode(display=False) as fc:
         step()
     return fc.get_total_flops()

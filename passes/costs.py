@@ -23,6 +23,7 @@ Writes on every call_function node:
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_I
                                         RECOMPUTE_UNREAD, RUNTIME_S, STORAGE)
 from remat_compiler.passes.rng import is_rng_state
 
-__all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread"]
+__all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread",
+           "grouped_mm_flops"]
 
 
 @dataclass(frozen=True)
@@ -109,13 +111,27 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
+def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
+    """FLOPs of a grouped matmul (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``), which
+    ``torch.utils.flop_counter`` has no formula for: each row meets one group's matrix. Tokens by
+    experts' weights, ``(S, K) @ (E, K, N)``, and batched groups: 2 * out's elements * K. The weight
+    gradient, ``(K, S) @ (S, N) -> (E, K, N)`` with the groups along S: 2 * K * S * N (each row of S
+    in one group only, not E times).
+
+    >>> grouped_mm_flops((10, 8), (3, 8, 12), (10, 12)), grouped_mm_flops((8, 10), (10, 12), (3, 8, 12))
+    (1920, 1920)
+    """
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return int(2 * a_shape[0] * a_shape[1] * b_shape[1])
+    return int(2 * math.prod(out_shape) * a_shape[-1])
+
+
 def _flops(node: fx.Node) -> int:
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and "grouped_mm" in str(packet):
-        # grouped expert matmuls (aten._grouped_mm, transformers' fallback): 2 * rows * in * out
-        a, out = node.args[0].meta.get("val"), node.meta.get("val")
-        if isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor):
-            return int(2 * out.numel() * a.shape[-1])
+        a, b, out = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (*node.args[:2], node))
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor):
+            return grouped_mm_flops(a.shape, b.shape, out.shape)
     if packet is None or packet not in flop_registry:
         return 0
     args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))

@@ -132,3 +132,16 @@ def test_repeated_index_work_is_merged_within_a_module_and_nothing_else_is():
     m(x).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
+
+
+def test_a_grouped_matmul_costs_what_the_loop_of_its_groups_matmuls_costs():
+    """Tokens by experts' weights, and the weight gradient whose groups run along the tokens: each
+    token meets one expert's matrix, so the FLOPs are those of one mm per expert over its tokens
+    (the weight gradient was once counted once per expert over every token)."""
+    from remat_compiler.passes.costs import grouped_mm_flops
+
+    tokens, k, n, rows = 16, 8, 12, [3, 4, 9]
+    per_expert = sum(2 * r * k * n for r in rows)
+    assert grouped_mm_flops((tokens, k), (len(rows), k, n), (tokens, n)) == per_expert
+    assert grouped_mm_flops((k, tokens), (tokens, n), (len(rows), k, n)) == per_expert
+    assert grouped_mm_flops((len(rows), 5, k), (len(rows), k, n), (len(rows), 5, n)) == len(rows) * 2 * 5 * k * n
