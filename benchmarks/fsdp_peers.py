@@ -164,19 +164,27 @@ def _measure(step, meter=None) -> tuple[int, float]:
 
 
 def count_grouped_mm() -> None:
-    """Give ``torch.utils.flop_counter`` the formula it lacks for ``aten._grouped_mm`` (the one the
-    planner's costs use, :func:`remat_compiler.passes.costs.grouped_mm_flops`), so that a peer whose
-    experts run one ``grouped_mm`` (FSDP2 eager's Mixtral) is counted as our step's expert loop is."""
+    """Give ``torch.utils.flop_counter`` the formulas it lacks for grouped matmuls (the planner's,
+    :func:`remat_compiler.passes.costs.grouped_mm_flops`): ``aten._grouped_mm``, which FSDP2 eager's
+    Mixtral experts run, and transformers' ``grouped_mm_fallback`` and its backward, which our traced
+    step runs (a dispatch mode sees a custom op whole, not the ``mm`` loop inside it)."""
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
     from remat_compiler.passes.costs import grouped_mm_flops
 
-    if torch.ops.aten._grouped_mm in flop_registry:
-        return
-
-    @register_flop_formula(torch.ops.aten._grouped_mm)
-    def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    def forward(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
         return grouped_mm_flops(a_shape, b_shape, out_shape)
+
+    def backward(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # (input, weight, offs, grad)
+        return 2 * grouped_mm_flops(a_shape, b_shape, (a_shape[0], b_shape[-1]))
+
+    ops = getattr(torch.ops, "transformers", None)  # transformers' MoE integration, where imported
+    formulas = [(torch.ops.aten._grouped_mm, forward),
+                (getattr(ops, "grouped_mm_fallback", None), forward),
+                (getattr(ops, "grouped_mm_fallback_backward", None), backward)]
+    for op, formula in formulas:
+        if op is not None and op not in flop_registry:
+            register_flop_formula(op)(formula)
 
 
 def _flops(step) -> int:

@@ -130,6 +130,9 @@ def _flops(node: fx.Node) -> int:
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and "grouped_mm" in str(packet):
         a, b, out = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (*node.args[:2], node))
+        if str(packet).endswith("grouped_mm_fallback_backward") and isinstance(a, torch.Tensor) \
+                and isinstance(b, torch.Tensor):  # (input, weight, offs, grad) -> both gradients
+            return 2 * grouped_mm_flops(a.shape, b.shape, (a.shape[0], b.shape[-1]))
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor):
             return grouped_mm_flops(a.shape, b.shape, out.shape)
     if packet is None or packet not in flop_registry:
