@@ -170,13 +170,13 @@ def count_grouped_mm() -> None:
     step runs (a dispatch mode sees a custom op whole, not the ``mm`` loop inside it)."""
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-    from remat_compiler.passes.costs import grouped_mm_flops
+    from remat_compiler.passes.costs import grouped_mm_backward_flops, grouped_mm_flops
 
     def forward(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
         return grouped_mm_flops(a_shape, b_shape, out_shape)
 
-    def backward(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # (input, weight, offs, grad)
-        return 2 * grouped_mm_flops(a_shape, b_shape, (a_shape[0], b_shape[-1]))
+    def backward(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return grouped_mm_backward_flops(a_shape, b_shape)
 
     ops = getattr(torch.ops, "transformers", None)  # transformers' MoE integration, where imported
     formulas = [(torch.ops.aten._grouped_mm, forward),

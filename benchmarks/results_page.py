@@ -327,8 +327,8 @@ def _fsdp_section(data_dir: str) -> list[str]:
             "(with what FSDP2 re-allocates by resizing storages; the `torch.compile` peer's, and ours beside "
             "it,\nby the allocator's events), and remat_compiler compiles the same sharded model with the "
             "larger rank's peak as\nits budget. Step times: medians of interleaved rounds, one process a rank "
-            "(indicative); FLOPs (the flop counter's,\nwhich sees none inside Inductor's kernels nor in "
-            "`grouped_mm`: see docs/fsdp.md) and bytes are exact.", "",
+            "(indicative); FLOPs (the flop counter's,\nwhich sees none inside Inductor's kernels, with grouped "
+            "matmuls counted as the planner counts them: see docs/fsdp.md)\nand bytes are exact.", "",
             fsdp_peers.format_table(doc["rows"]), *_fsdp_inductor_rows(data_dir)]
 
 

@@ -38,7 +38,7 @@ from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_I
 from remat_compiler.passes.rng import is_rng_state
 
 __all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread",
-           "grouped_mm_flops"]
+           "grouped_mm_flops", "grouped_mm_backward_flops"]
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,19 @@ def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
     return int(2 * math.prod(out_shape) * a_shape[-1])
 
 
+def grouped_mm_backward_flops(input_shape, weight_shape) -> int:
+    """FLOPs of transformers' ``grouped_mm_fallback_backward`` (input, weight, offs, grad): both
+    gradients, each a grouped matmul of the forward's size."""
+    return 2 * grouped_mm_flops(input_shape, weight_shape, (input_shape[0], weight_shape[-1]))
+
+
 def _flops(node: fx.Node) -> int:
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and "grouped_mm" in str(packet):
         a, b, out = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (*node.args[:2], node))
         if str(packet).endswith("grouped_mm_fallback_backward") and isinstance(a, torch.Tensor) \
                 and isinstance(b, torch.Tensor):  # (input, weight, offs, grad) -> both gradients
-            return 2 * grouped_mm_flops(a.shape, b.shape, (a.shape[0], b.shape[-1]))
+            return grouped_mm_backward_flops(a.shape, b.shape)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor):
             return grouped_mm_flops(a.shape, b.shape, out.shape)
     if packet is None or packet not in flop_registry:

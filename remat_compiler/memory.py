@@ -276,6 +276,8 @@ class AllocatorPeak:
 
     def __exit__(self, *exc) -> bool:
         self._profiler.__exit__(*exc)
+        from torch._C._profiler import _EventType
+
         results = getattr(getattr(self._profiler, "profiler", None), "kineto_results", None)
         if results is None or not hasattr(results, "experimental_event_tree"):
             raise RuntimeError("AllocatorPeak: this torch's profiler keeps no event tree to read the "
@@ -286,7 +288,7 @@ class AllocatorPeak:
             node = stack.pop()
             stack.extend(reversed(node.children))
             fields = node.extra_fields
-            if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            if node.tag == _EventType.Allocation and fields.device.type == "cpu":
                 events.append((node.start_time_ns, len(events), fields.allocation_id, fields.alloc_size, node))
         events.sort(key=lambda event: event[:2])  # at equal times, in the order recorded
         # A free counts only where the block allocated that storage: a free of storage from before the

@@ -6,8 +6,8 @@ import math
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import Plan
 
-__all__ = ["OBJECTIVES", "cost_units", "plan_cost_units", "step_cost_units", "check_tolerance", "flop_gap",
-           "flops_status"]
+__all__ = ["OBJECTIVES", "cost_units", "plan_cost_units", "step_cost_units", "tolerance_units", "check_tolerance",
+           "flop_gap", "flops_status"]
 
 OBJECTIVES = ("runtime", "flops")
 
@@ -33,6 +33,12 @@ def step_cost_units(cg: CostGraph, objective: str = "runtime") -> int:
     """The whole step's cost in the objective's units: every op of forward and backward run once
     (what a ``tolerance`` is a fraction of)."""
     return sum(cost_units(cg, n, objective) for n in cg.order)
+
+
+def tolerance_units(cg: CostGraph, objective: str, tolerance: float) -> int:
+    """The absolute gap a ``tolerance`` allows a cost search, in the objective's units (before a
+    model divides its costs by their gcd): that fraction of :func:`step_cost_units`."""
+    return int(tolerance * step_cost_units(cg, objective)) if tolerance > 0 else 0
 
 
 def check_tolerance(tolerance) -> float:

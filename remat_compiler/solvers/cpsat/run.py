@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import build_schedule
-from remat_compiler.solvers.cpsat.costs import cost_units, step_cost_units
+from remat_compiler.solvers.cpsat.costs import cost_units, tolerance_units
 from remat_compiler.solvers.cpsat.memo import SolveMemo
 from remat_compiler.solvers.cpsat.model import RematModel, build_model
 
@@ -48,11 +48,17 @@ def new_solver() -> cp_model.CpSolver:
     return solver
 
 
-def make_solver(seconds: float, num_workers: int | None, deterministic: bool, seed: int = 0
-                ) -> cp_model.CpSolver:
+def make_solver(seconds: float, num_workers: int | None, deterministic: bool, seed: int = 0, *,
+                absolute_gap: float = 0.0, relative_gap: float = 0.0) -> cp_model.CpSolver:
     """A solver for a search of ``seconds`` (deterministic time with ``deterministic``, when the
-    wall-clock limit is four times that, a guard only)."""
+    wall-clock limit is four times that, a guard only), stopping early once its objective is proven
+    within ``absolute_gap`` (the model's units) or ``relative_gap`` of the best, where given: CP-SAT
+    then says OPTIMAL, so compare the bound with the objective to know whether it is proven."""
     solver = new_solver()
+    if absolute_gap > 0:
+        solver.parameters.absolute_gap_limit = float(absolute_gap)
+    if relative_gap > 0:
+        solver.parameters.relative_gap_limit = float(relative_gap)
     workers = num_workers if num_workers is not None else default_workers()
     solver.parameters.num_workers = workers
     if deterministic:
@@ -189,11 +195,7 @@ class Job:
     def gap_units(self, cost_gcd: int = 1) -> int:
         """The absolute gap at which a cost search stops, in a model's units (costs over ``cost_gcd``):
         :attr:`tolerance` of the step's estimated cost."""
-        if self.tolerance <= 0:
-            return 0
-        if "step_units" not in self.models:
-            self.models["step_units"] = step_cost_units(self.cg, self.objective)
-        return int(self.tolerance * self.models["step_units"]) // cost_gcd
+        return tolerance_units(self.cg, self.objective, self.tolerance) // cost_gcd
 
     def complies(self, saved) -> bool:
         """Whether a saved set honours the policy's forced and forbidden saves."""
@@ -204,14 +206,10 @@ class Job:
               deadline: Deadline | None = None, gap_units: int = 0, relative_gap: float = 0.0
               ) -> tuple[int, cp_model.CpSolver]:
         """Search ``model`` for ``seconds`` (charged to ``deadline``, default the job's), stopping
-        early once the objective is proven within ``gap_units`` (absolute, the model's units) or
-        ``relative_gap`` of the best; returns (status, solver). CP-SAT then says OPTIMAL: compare
-        the bound with the objective to know whether it is proven."""
-        solver = make_solver(seconds, self.num_workers, self.deterministic, seed)
-        if gap_units > 0:
-            solver.parameters.absolute_gap_limit = float(gap_units)
-        if relative_gap > 0:
-            solver.parameters.relative_gap_limit = float(relative_gap)
+        early once the objective is proven within ``gap_units`` or ``relative_gap``
+        (:func:`make_solver`); returns (status, solver)."""
+        solver = make_solver(seconds, self.num_workers, self.deterministic, seed, absolute_gap=gap_units,
+                             relative_gap=relative_gap)
         status = run_solver(solver, model, callback, deadline or self.deadline)
         if status == cp_model.MODEL_INVALID:
             raise RuntimeError(f"CP-SAT model invalid: {model.validate()}")

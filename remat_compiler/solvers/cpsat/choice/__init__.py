@@ -46,7 +46,7 @@ from remat_compiler.solvers.cpsat.choice.model import (Choice, ChoiceModel, buil
 from remat_compiler.solvers.cpsat.choice.reasons import reasons
 from remat_compiler.solvers.cpsat.choice.start import WarmStart, warm_choice
 from remat_compiler.schedule import build_schedule, no_recompute, save_all_set
-from remat_compiler.solvers.cpsat.costs import check_tolerance, step_cost_units
+from remat_compiler.solvers.cpsat.costs import check_tolerance, tolerance_units
 from remat_compiler.solvers.cpsat.parts import is_const
 from remat_compiler.solvers.cpsat.run import make_solver, run_solver
 from remat_compiler.solvers.greedy import best_heuristic_set
@@ -153,10 +153,8 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
     cm = build_choice_model(union, budget_bytes, objective=objective)
     warm = hint_pure_choice(cm, union, budget_bytes, deadline)
     tolerance = check_tolerance(tolerance)
-    solver = make_solver(deadline.slice(0.8), num_workers, deterministic=deterministic)
-    if tolerance > 0:
-        solver.parameters.absolute_gap_limit = float(int(tolerance * step_cost_units(union.graphs["autograd"],
-                                                                                      objective)))
+    solver = make_solver(deadline.slice(0.8), num_workers, deterministic=deterministic,
+                         absolute_gap=tolerance_units(union.graphs["autograd"], objective, tolerance))
     status = _checked(run_solver(solver, cm.model, deadline=deadline), cm.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE or warm is None:
@@ -181,8 +179,7 @@ def solve_choice(union: CombineUnion, budget_bytes: int | None, *, time_limit_s:
             cm.model.proto.solution_hint.vars.append(i)
             cm.model.proto.solution_hint.values.append(value)
         cm.model.minimize(cm.peak)
-        second = make_solver(deadline.slice(), num_workers, deterministic=deterministic)
-        second.parameters.relative_gap_limit = tolerance
+        second = make_solver(deadline.slice(), num_workers, deterministic=deterministic, relative_gap=tolerance)
         if _checked(run_solver(second, cm.model, deadline=deadline), cm.model) in (cp_model.OPTIMAL,
                                                                                       cp_model.FEASIBLE):
             found = second
