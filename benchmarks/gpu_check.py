@@ -74,10 +74,9 @@ def build_llama(device: str, quick: bool):
     c = LLAMA_QUICK if quick else LLAMA
     torch.manual_seed(0)
     config = llama_config(c, c["seq"])
-    # the config the plan files in data/cuda_plans were traced with (sdpa's graph differs, and so may
-    # a step that builds a cache): applying them needs the same graph
+    # the attention the plan files in data/cuda_plans were traced with (sdpa's graph differs between
+    # devices): applying them needs the same graph
     config._attn_implementation = "eager"
-    config.use_cache = False
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
     model.loss_type = "ForCausalLM"
