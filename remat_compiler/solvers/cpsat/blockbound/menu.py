@@ -102,6 +102,36 @@ def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
     return int(round(solver.objective_value)) * bm.unit
 
 
+def _levels_and_w_min(bm: _BlockModel, bm_h: _BlockModel, granule: int, deadline: Deadline):
+    """The staircase of cost over H at H's band edges, and the least W (None: not proven in time).
+
+    After the staircase's first point (the cheapest plan's least H, the staircase's top), the rest
+    runs on two threads (CP-SAT releases the GIL), in two halves either side of the band edge nearest
+    half the top, and the least W after the first half done. The halves give the one staircase's
+    points: the upper half stops at its first point at or below the middle edge, which is the least
+    cost under that edge, the lower half's first point."""
+    below = lambda x: _edge_below(x, bm.unit, granule)  # noqa: E731
+    top = _staircase(bm_h, bm_h.H, deadline, below=lambda x: None)
+    if not top:  # not proven in time (a block has a plan: save everything)
+        return None, None
+    x0 = top[0].H // bm.unit
+    cap, mid = below(x0), below(x0 // 2 + 1)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        if cap is None:
+            halves = []
+        elif mid is None or mid >= cap:
+            halves = [pool.submit(_staircase, bm_h, bm_h.H, deadline, below=below, cap=cap)]
+        else:
+            halves = [pool.submit(_staircase, bm_h, bm_h.H, deadline, below=below, cap=cap, floor=mid),
+                      pool.submit(_staircase, bm_h, bm_h.H, deadline, below=below, cap=mid)]
+        w_min = pool.submit(_least, bm, bm.W, deadline)
+        parts = [h.result() for h in halves]
+        w_min = w_min.result()
+    if any(part is None for part in parts):
+        return None, None
+    return top + [o for part in parts for o in part], w_min
+
+
 def _edge_below(x: int, unit: int, granule: int) -> int | None:
     """The largest band edge (``k * granule - unit`` bytes, ``k >= 1``) below a plan's measure (H or
     W) of ``x`` model units, in model units; None when there is none (the plan is in the first band).
@@ -147,8 +177,7 @@ class _Menu:
         # the menu reads levels only at band edges (least cost with H <= an edge) and their least H
         # against an edge: one solve per edge the staircase steps over is enough (on GPT-2's block
         # traced for Inductor, 222 steps of one unit took 34 s; see _edge_below)
-        self.levels = _staircase(bm_h, bm_h.H, deadline, below=lambda x: _edge_below(x, bm.unit, granule))
-        self.w_min = _least(bm, bm.W, deadline) if self.levels is not None else None
+        self.levels, self.w_min = _levels_and_w_min(bm, bm_h, granule, deadline)
         self.ok = self.levels is not None and self.w_min is not None
         if not self.ok:
             return
