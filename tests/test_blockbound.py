@@ -262,3 +262,27 @@ def test_a_composition_that_fits_is_the_plan_when_its_fix_up_finds_nothing_in_ti
     assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
     direct = block_bound(cg, budget, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(20.0))
     assert seed.saved == direct.saved
+
+
+@pytest.mark.parametrize("granule_units", [1, 64])
+def test_the_staircase_over_h_in_two_halves_is_the_one_staircase(granule_units):
+    """The menu's staircase of cost over H runs in two halves on two threads (after its first
+    point): their points are the sequential staircase's, one for one, at every step (granule of one
+    unit) and at band edges; the least W beside them is the sequential solve's."""
+    from remat_compiler.graph import representative_block
+    from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
+    from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
+    from remat_compiler.solvers.cpsat.blockbound.menu import _edge_below, _least, _levels_and_w_min, _staircase
+
+    cg = _branch_stack_graph()
+    lay = _Layout(cg)
+    fixed, k = _fixed_intervals(cg, lay), representative_block(lay.stack)
+    cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731
+    bm = _BlockModel(cg, lay, k, cost_of, fixed)
+    bm_h = _BlockModel(cg, lay, k, cost_of, fixed, memory=False)
+    granule = granule_units * bm.unit
+    levels, w_min = _levels_and_w_min(bm, bm_h, granule, Deadline(60))
+    one = _staircase(bm_h, bm_h.H, Deadline(60), below=lambda x: _edge_below(x, bm.unit, granule))
+    assert len(one) >= 4  # enough points that both halves have some
+    assert [(o.H, o.W, o.cost, o.saved) for o in levels] == [(o.H, o.W, o.cost, o.saved) for o in one]
+    assert w_min == _least(bm, bm.W, Deadline(60))
