@@ -1,9 +1,10 @@
-"""Real sizes (issue 15): Mistral-7B- and 70B-shaped models planned for an H100 from this CPU-only machine.
+"""Real sizes (issues 15, 33): Mistral-7B- and 70B-shaped models (and Qwen2-7B's) planned for an H100 from
+this CPU-only machine.
 
-Each shape is a ``MistralConfig`` built on the meta device (no weights: planning needs shapes and
-dtypes only), in bfloat16, batch 1, trained on its own loss (``model(input_ids=ids, labels=ids)``,
-the logits let go). Each (shape, seq) point runs in a fresh process, so that the planner's own peak
-RSS is the point's (``ru_maxrss``). In it:
+Each shape is a ``MistralConfig`` (``qwen2-7b``: a ``Qwen2Config``) built on the meta device (no
+weights: planning needs shapes and dtypes only), in bfloat16, batch 1, trained on its own loss
+(``model(input_ids=ids, labels=ids)``, the logits let go). Each (shape, seq) point runs in a fresh
+process, so that the planner's own peak RSS is the point's (``ru_maxrss``). In it:
 
 1. the step is traced and analysed once for the ``h100`` preset (CUDA's units, vendor rates): from
    traces of 3 and 4 of its layers, the others stamped (:mod:`remat_compiler.stamp`, the graph a full
@@ -41,10 +42,11 @@ import sys
 import time
 import warnings
 
-__all__ = ["SHAPES", "FRACTIONS", "TARGET_SEQ", "RSS_TARGET_BYTES", "mistral_config", "plan_point",
+__all__ = ["SHAPES", "FRACTIONS", "TARGET_SEQ", "RSS_TARGET_BYTES", "shape_config", "plan_point",
            "format_markdown", "format_section", "main"]
 
-#: Mistral-family shapes (issue 15): layers, hidden, FFN, heads, KV heads, vocab; the solve's time limit.
+#: The shapes (issue 15's Mistral family, issue 33's Qwen2-7B): layers, hidden, FFN, heads, KV heads,
+#: vocab; the solve's time limit.
 SHAPES = {
     "7b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32768, time_limit_s=60.0),
@@ -65,16 +67,13 @@ TARGET_SEQ = 8192
 RSS_TARGET_BYTES = 4 * GIB
 
 
-def mistral_config(shape: str):
+def shape_config(shape: str):
     """The config of a :data:`SHAPES` entry (a ``MistralConfig``, or the ``model_type`` it names): its
-    sizes, the rest the library's defaults (Mistral's positions up to 131,072)."""
+    sizes, the rest the library's defaults."""
     from transformers import AutoConfig
 
     sizes = {k: v for k, v in SHAPES[shape].items() if k not in ("time_limit_s", "model_type")}
-    model_type = SHAPES[shape].get("model_type", "mistral")
-    if model_type != "mistral":
-        sizes.setdefault("max_position_embeddings", 131072)
-    return AutoConfig.for_model(model_type, **sizes, dtype="bfloat16")
+    return AutoConfig.for_model(SHAPES[shape].get("model_type", "mistral"), **sizes, dtype="bfloat16")
 
 
 def _flop_ratio(plan) -> float:
@@ -101,7 +100,7 @@ def plan_point(shape: str, seq: int, *, workers: int, time_limit_s: float | None
 
     limit = time_limit_s if time_limit_s is not None else SHAPES[shape]["time_limit_s"]
     t0 = time.perf_counter()
-    config = mistral_config(shape)
+    config = shape_config(shape)
     check_seq(config, seq)
     model = build_causal_lm(config, torch.bfloat16)
     cost_model = CostModel.preset("h100")
@@ -186,21 +185,17 @@ def format_markdown(docs: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in docs:
         for p in d["plans"]:
-            if p.get("infeasible"):
-                lines.append(
-                    f"| {d['shape']} | {d['seq']} | {_gib(d['no_recompute']['peak_bytes'])} | "
+            head = (f"| {d['shape']} | {d['seq']} | {_gib(d['no_recompute']['peak_bytes'])} | "
                     f"{_gib(d['checkpoint']['peak_bytes'])} ({d['checkpoint']['flop_ratio']:.3f}) | "
-                    f"{p['label']}: {_gib(p['budget_bytes'])} | infeasible: the smallest plan found is "
-                    f"{_gib(p['min_feasible_bytes'])} ({'proven' if p['proven'] else 'not proven'}) | – | – | "
-                    f"{p['solve_s']:.1f} ({p['solve_limit_s']:.0f}) | – | {d['trace_s']:.0f} | "
-                    f"{_gib(d['planner_peak_rss_bytes'])} |")
-                continue
-            lines.append(
-                f"| {d['shape']} | {d['seq']} | {_gib(d['no_recompute']['peak_bytes'])} | "
-                f"{_gib(d['checkpoint']['peak_bytes'])} ({d['checkpoint']['flop_ratio']:.3f}) | "
-                f"{p['label']}: {_gib(p['budget_bytes'])} | {_gib(p['peak_bytes'])} | {p['flop_ratio']:.4f} | "
-                f"{p['step_s'] * 1e3:.0f} | {p['solve_s']:.1f} ({p.get('solve_limit_s', d['time_limit_s']):.0f}) | "
-                f"{p['status']}, {p['gap']:.4f} | {d['trace_s']:.0f} | {_gib(d['planner_peak_rss_bytes'])} |")
+                    f"{p['label']}: {_gib(p['budget_bytes'])} | ")
+            solve = f"{p['solve_s']:.1f} ({p.get('solve_limit_s', d['time_limit_s']):.0f})"
+            tail = f" | {d['trace_s']:.0f} | {_gib(d['planner_peak_rss_bytes'])} |"
+            if p.get("infeasible"):
+                lines.append(head + f"infeasible: the smallest plan found is {_gib(p['min_feasible_bytes'])} "
+                             f"({'proven' if p['proven'] else 'not proven'}) | – | – | {solve} | –" + tail)
+            else:
+                lines.append(head + f"{_gib(p['peak_bytes'])} | {p['flop_ratio']:.4f} | {p['step_s'] * 1e3:.0f} | "
+                             f"{solve} | {p['status']}, {p['gap']:.4f}" + tail)
     return "\n".join(lines) + "\n"
 
 
@@ -238,7 +233,8 @@ def format_section(docs: list[dict], command: str, machine: str) -> str:
     """The RESULTS.md section: how it was measured, the table, the targets."""
     head = ["## Real sizes: Mistral-7B and 70B shapes planned for an H100 from this CPU-only machine",
             "",
-            f"Command: `{command}` ({machine}). `MistralConfig` on the meta device, bfloat16, batch 1, the "
+            f"Command: `{command}` ({machine}). Each shape's config (`MistralConfig`; `Qwen2Config` for "
+            "qwen2-7b) on the meta device, bfloat16, batch 1, the "
             "model's own loss, the logits let go; planned for the `h100` preset (CUDA's caching-allocator "
             "units, vendor rates). Peaks are the plans' predicted step peaks above the resident weights "
             "(nothing runs here). Budgets lie on the line from checkpoint-every-block's peak to the "

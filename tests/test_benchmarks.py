@@ -250,3 +250,17 @@ def test_fsdp_peers_table_gives_each_ratio_and_says_which_peer_does_not_run():
     assert "| 3.000 G / 2.500 G | 4,096 | 0.95 | 1 / 1 |" in lines[2]
     assert "| not counted / 2.500 G |" in lines[3]
     assert "does not run: Unsupported: data-dependent op" in lines[4] and lines[4].count("|") == lines[0].count("|")
+
+
+def test_real_sizes_names_an_infeasible_budget_and_the_floor_found():
+    """A budget below every plan found (issue 33's 0.3 of the no-recompute peak at 70B, seq 8192) is a
+    row naming the smallest plan found and whether it is proven, not a missing point."""
+    from benchmarks.real_sizes import GIB, format_markdown
+
+    doc = {"shape": "70b", "seq": 8192, "trace_s": 10.0, "time_limit_s": 120.0, "planner_peak_rss_bytes": GIB,
+           "no_recompute": {"peak_bytes": 273 * GIB}, "checkpoint": {"peak_bytes": 130 * GIB, "flop_ratio": 1.24},
+           "plans": [{"fraction": None, "label": "0.3 of no-recompute", "budget_bytes": 82 * GIB, "infeasible": True,
+                      "min_feasible_bytes": 130 * GIB, "proven": False, "solve_s": 30.0, "solve_limit_s": 108.0}]}
+    (row,) = format_markdown([doc]).splitlines()[2:]
+    assert "0.3 of no-recompute: 82.00 | infeasible: the smallest plan found is 130.00 (not proven)" in row
+    assert row.count("|") == 13  # the table's 12 columns
