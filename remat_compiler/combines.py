@@ -23,7 +23,7 @@ from remat_compiler.moe.segments import segment_combines, why_not_choosable
 from remat_compiler.passes import CostModel
 from remat_compiler.pipeline import PlanSpec, annotate, timed
 from remat_compiler.plan import Plan, moe_combine_of
-from remat_compiler.plan_cache import key_fields, key_of, serves
+from remat_compiler.plan_cache import key_fields, key_of
 from remat_compiler.runtime import distributed, on_rank0
 from remat_compiler.schedule import build_schedule, no_recompute, simulate
 from remat_compiler.solvers import SOLVERS, resolve_budget
@@ -214,8 +214,8 @@ def _choose(spec: PlanSpec, model: torch.nn.Module, trace_once: Callable[[], Tra
         cached = None
         if modes is not None:  # a hit needs neither the fused trace nor the union
             cg = graphs["autograd"] if set(modes.values()) == {"autograd"} else traced_with(modes)
-            cached = spec.plan_cache.load(key, cg, budget_bytes)  # None: reported and re-planned
-        if cached is not None and serves(cached, spec.options):
+            cached = spec.plan_cache.load(key, cg, budget_bytes, spec.options)  # None: re-planned
+        if cached is not None:
             return (dataclasses.replace(spec, budget=budget, plan=cached, plan_cache=None),
                     ("plan", budget_bytes, cached.to_json()))
         store = (spec.plan_cache, key, fields)

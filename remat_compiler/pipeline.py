@@ -38,7 +38,7 @@ from remat_compiler.graph import CostGraph
 from remat_compiler.moe.segments import segment_combines
 from remat_compiler.passes import CostModel, run_passes
 from remat_compiler.plan import Plan, make_plan
-from remat_compiler.plan_cache import PlanCache, key_fields, key_of, serves
+from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import distributed, plan_on_rank0
 from remat_compiler.schedule import SimResult
@@ -263,8 +263,8 @@ def _looked_up_or_solved(cg: CostGraph, spec: PlanSpec, options: dict) -> tuple[
         if spec.fused_recompute:  # another plan than the eager backend's for the same graph and solver
             fields["fused_recompute"] = True
         key = key_of(fields)
-        cached = spec.plan_cache.load(key, cg, budget_bytes)
-        if cached is not None and serves(cached, options):
+        cached = spec.plan_cache.load(key, cg, budget_bytes, options)
+        if cached is not None:
             return cached, "cache"
         plan = _solved(cg, spec, budget_bytes, options)
         spec.plan_cache.store(key, plan, fields)

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import warnings
+from types import MappingProxyType
 from typing import Mapping
 
 from remat_compiler.errors import PlanCheckError, PlanMismatchError
@@ -138,10 +139,12 @@ class PlanCache:
         """The file of a key."""
         return os.path.join(self.directory, f"{key}.plan.json")
 
-    def load(self, key: str, cg: CostGraph, budget_bytes: int | None) -> Plan | None:
-        """The cached plan of ``key``, checked against ``cg`` and ``budget_bytes``; None if there is
-        none, or if the file is not a valid plan for them (then a :class:`PlanCacheWarning` says
-        why, and the caller re-plans).
+    def load(self, key: str, cg: CostGraph, budget_bytes: int | None,
+             options: Mapping = MappingProxyType({})) -> Plan | None:
+        """The cached plan of ``key``, checked against ``cg`` and ``budget_bytes``, if it :func:`serves`
+        a request with these solver ``options``; None if there is none, if it was searched less far
+        than asked (the caller plans again, and its store replaces the file), or if the file is not
+        a valid plan for them (then a :class:`PlanCacheWarning` says why, and the caller re-plans).
 
         Raises
         ------
@@ -153,11 +156,12 @@ class PlanCache:
         if text is None:
             return None
         try:
-            return self._verified(text, key, cg, budget_bytes)
+            plan = self._verified(text, key, cg, budget_bytes)
         except (ValueError, PlanMismatchError, PlanCheckError) as exc:
             warnings.warn(f"plan cache file {path} is not a valid plan for this step, re-planning: {exc}",
                           PlanCacheWarning, stacklevel=3)
             return None
+        return plan if serves(plan, options) else None
 
     def recorded_combines(self, key: str, segments) -> dict[str, str] | None:
         """The MoE combine per segment that the plan under ``key`` records
