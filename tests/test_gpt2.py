@@ -60,25 +60,3 @@ def test_monotone_smaller_budget_never_larger_measured_peak(runs):
     by_budget = sorted((plan.budget_bytes, peak) for plan, peak, _ in results.values())
     peaks = [p for _, p in by_budget]
     assert peaks == sorted(peaks)
-
-
-def test_caller_dropping_outputs_is_planned_with_hold_outputs_false():
-    """``model(**inputs).loss.backward()`` lets the logits go before backward: hold_outputs=False
-    predicts that step to the byte, plans for less memory than the held-outputs plan (by at least the
-    logits' bytes), and refuses a plan made for the other assumption."""
-    model, inputs, _ = build(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=2, seq=64)
-    logits_bytes = 2 * 64 * 512 * 4
-
-    def dropping_step(m):
-        return run_step(model, lambda: m(**inputs), loss=lambda out: out.loss, measure=True).peak
-
-    held = rc.compile(model, 0.6, time_limit_s=TIME_LIMIT_S)
-    dropped = rc.compile(model, 0.6, hold_outputs=False, time_limit_s=TIME_LIMIT_S)
-    dropping_step(held), dropping_step(dropped)  # trace, plan, warm up
-    assert dropping_step(dropped) == dropped.plan.peak_bytes <= dropped.plan.budget_bytes
-    # the held plan over-predicts this step by the logits it assumed were kept
-    assert held.plan.peak_bytes - dropping_step(held) >= logits_bytes
-    # neither the logits nor a zero gradient for them (backward runs from the loss alone)
-    assert dropped.plan.baseline_peak_bytes == held.plan.baseline_peak_bytes - 2 * logits_bytes
-    with pytest.raises(rc.PlanMismatchError):
-        rc.compile(model, plan=held.plan, hold_outputs=False)(**inputs)

@@ -348,14 +348,14 @@ def test_the_fallback_solve_runs_on_the_choice_clock(x, monkeypatch):
     assert plan.solve_time_s >= 1.0 and clocks[0].elapsed() >= plan.solve_time_s
 
 
-def test_a_progress_callback_does_not_turn_the_choice_off(x):
+def test_a_progress_callback_does_not_turn_the_choice_off(cached_choice):
     """The CLI passes progress= whenever it shows progress (a terminal, --progress): the plan must
-    not depend on that. The choice still runs (its solve is silent)."""
+    not depend on that. The choice still runs (its solve is silent; the plan is
+    :func:`cached_choice`'s, made with a progress callback)."""
     from remat_compiler.api import PlanSpec, chooses_combines
 
     assert chooses_combines(PlanSpec.make(None, "cpsat", {"progress": print}), worker.make_model(SHAPE))
-    seen = []
-    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, progress=seen.append).plan
+    plan, _, _ = cached_choice
     assert all("chosen in the one CP-SAT solve" in c["why"] for c in plan.extras["moe_combine"].values()), plan.extras
 
 
@@ -525,9 +525,11 @@ def _tamper(path, mode, *, fix_digest: bool) -> None:
 
 @pytest.fixture(scope="module")
 def cached_choice(x, tmp_path_factory):
-    """A plan cache holding the chosen plan of SHAPE with no budget: (the plan, its file's text)."""
+    """A plan cache holding the chosen plan of SHAPE with no budget, planned with a progress
+    callback as the CLI passes one: (the plan, its file's name, its text)."""
     d = tmp_path_factory.mktemp("cache")
-    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=d).plan
+    plan = remat_compiler.plan_model(worker.make_model(SHAPE), (x,), time_limit_s=5, plan_cache=d,
+                                     progress=lambda *_: None).plan
     (path,) = d.glob("*.plan.json")
     return plan, path.name, path.read_text()
 

@@ -31,8 +31,12 @@ def gpt2():
 
 def test_loss_only_backward_has_no_zero_gradient_for_the_logits(gpt2):
     """hold_outputs=False with a scalar loss: the only tangent is the loss's, and a backward through
-    the logits is refused instead of silently missing their gradient."""
+    the logits is refused instead of silently missing their gradient. ``model(**inputs).loss.backward()``
+    lets the logits go before backward: hold_outputs=False predicts that step to the byte, plans for
+    less memory than the held-outputs plan (by at least the logits' bytes), and refuses a plan made
+    for the other assumption."""
     model, inputs, eager, cg = gpt2
+    logits_bytes = 2 * 64 * 512 * 4
     assert [cg.attr(t, "shape") for t in cg.tangents] == [()]
     m = rc.compile(model, 0.6, hold_outputs=False, time_limit_s=2)
     got = planned_step(model, lambda: m(**inputs), loss=_loss)  # the first step traces and plans
@@ -45,6 +49,14 @@ def test_loss_only_backward_has_no_zero_gradient_for_the_logits(gpt2):
     held = rc.compile(model, 0.6, time_limit_s=2)
     out = held(**inputs)
     (out.loss + out.logits.sum()).backward()
+    del out
+    # the held plan over-predicts a loss-only step by the logits it assumed were kept
+    dropping = run_step(model, lambda: held(**inputs), loss=_loss, measure=True).peak
+    assert held.plan.peak_bytes - dropping >= logits_bytes
+    # neither the logits nor a zero gradient for them (backward runs from the loss alone)
+    assert m.plan.baseline_peak_bytes == held.plan.baseline_peak_bytes - 2 * logits_bytes
+    with pytest.raises(rc.PlanMismatchError):
+        rc.compile(model, plan=held.plan, hold_outputs=False)(**inputs)
 
 
 def test_reruns_lower_the_peak_and_run_exactly_as_simulated(gpt2):
