@@ -241,7 +241,10 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         shorter call reaches (:mod:`remat_compiler.dynamic`); a fraction budget is of the
         no-recompute peak at the bound. A call above the bound, of a size 1, or one the traced
         graph does not hold for is traced and planned for its own shape, as without the option.
-        None (default): each new shape is traced and planned on its own. Eager backend only.
+        None (default): each new shape is traced and planned on its own. With
+        ``backend="inductor"`` Inductor compiles the plan once over symbolic sizes, its code walked
+        at the bound; where that code peaks above the budget, or cannot be read, each shape is
+        planned and compiled on its own. Not with ``plan=``.
     max_batch_size : int, optional
         With ``max_seq_len``: the largest batch that shares the plan; None: the first call's.
     **solver_options :
@@ -270,6 +273,10 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
     >>> m = remat_compiler.compile(model, memory_budget="1.5GiB")   # doctest: +SKIP
     >>> loss_fn(m(x), y).backward(); print(m.plan.explain())         # doctest: +SKIP
     """
+    shapes = ShapeBounds.make(max_seq_len, max_batch_size)
+    if shapes is not None and plan is not None:
+        raise ValueError("max_seq_len= plans one range of shapes without a given plan; plan= plans per "
+                         "shape (leave max_seq_len out)")
     spec = PlanSpec.make(memory_budget, solver, solver_options, policy=policy, cost_model=cost_model, plan=plan,
                          plan_cache=plan_cache, defaults={"tolerance": COMPILE_TOLERANCE})
     if not isinstance(model, torch.nn.Module):
@@ -278,10 +285,6 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}: 'eager' runs the plan op by op "
                          f"(the default), 'inductor' compiles its forward and backward with Inductor")
     check_wrapper(model)
-    shapes = ShapeBounds.make(max_seq_len, max_batch_size)
-    if shapes is not None and (backend != "eager" or plan is not None):
-        raise ValueError("max_seq_len= plans one range of shapes on the eager backend without a given plan; "
-                         "backend='inductor' and plan= plan per shape (leave max_seq_len out)")
     if is_fsdp_model(model):  # sharded with FSDP2: the step with its collectives
         if shapes is not None:
             raise ValueError("max_seq_len= is not available for FSDP2-sharded models: leave it out")

@@ -329,6 +329,53 @@ def entry_key(bounds: ShapeBounds, off: str | None, key: tuple, leaves: list, en
     return rkey
 
 
+def _inductor_step(entry, spec, rng: ShapeRange, partition):
+    """The range's step under Inductor: its compilers walk the code at the bound, and a walk above
+    the budget or code the walk cannot read gives the range up (each shape then has the per-shape
+    backend's re-plans and fallback)."""
+    import remat_compiler.inductor as inductor
+    from remat_compiler.inductor.backend import range_compilers
+    from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
+    from remat_compiler.trace import aot_step
+
+    compilers = range_compilers(entry, spec, {str(s): v for s, v in rng.at_bound().items()})
+
+    def compile_or_give_up(compile_fn):
+        def compiled(gm, example_inputs):
+            try:
+                return compile_fn(gm, example_inputs)
+            except CompiledOverBudget as over:
+                raise DynamicShapeError(f"Inductor's code for the plan at the bound peaks above the budget "
+                                        f"({over})") from over
+            except UnreadableCodeError as exc:
+                raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be read ({exc})") from exc
+        return compiled
+
+    fn = aot_step(entry.step, partition, fw_compiler=compile_or_give_up(compilers.forward),
+                  bw_compiler=compilers.backward, decompositions=inductor.DECOMPOSITIONS)
+    return fn, compilers
+
+
+def _accept_inductor(entry, rng: ShapeRange, compilers) -> None:
+    """Record the range's Inductor code on the entry, once its sizes are shown non-decreasing in
+    each symbol and the ShapeEnv's conditions (Inductor's own guards among them) hold at the bound
+    and at the first call; DynamicShapeError otherwise."""
+    from remat_compiler.inductor.walk import symbolic_sizes
+
+    for graph in (compilers.fw, compilers.bw):
+        for expr in symbolic_sizes(graph):
+            if not _monotone(expr):
+                raise DynamicShapeError(f"Inductor's code allocates a buffer of size {expr}, not provably "
+                                        f"non-decreasing in the length")
+    for where, values in (("the bound", rng.at_bound()), ("the first call", rng.first)):
+        why = rng.why_not_at(values)
+        if why is not None:
+            raise DynamicShapeError(f"Inductor's code for the plan does not hold at {where}: {why}")
+    entry.planned.backend = "inductor"
+    entry.planned.compiled = compilers.peak
+    entry.planned.inductor = (compilers.fw, compilers.bw)
+
+
 def trace_and_run_range(module, entry, inputs: list[torch.Tensor]):
     """A compiled module's first call of a range entry: trace the step once with symbolic sizes
     (the first call's tensors, ``entry.example``, give the hints), plan at the bound
@@ -367,15 +414,30 @@ def trace_and_run_range(module, entry, inputs: list[torch.Tensor]):
     rng = ShapeRange(env, sites, limits)
     rng.first = rng.binding(entry.example[n_state:])
 
+    inductor = module._backend == "inductor"
+    planning = spec
+    if inductor:
+        from remat_compiler.inductor.backend import InductorState, fusing
+
+        if entry.inductor is not None and entry.inductor.over is not None:
+            raise DynamicShapeError("the first step of Inductor's code for the range's plan measured above "
+                                    "the budget")
+        entry.inductor, planning = InductorState.after(entry.inductor), fusing(spec)
+
     def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
-        planned = plan_range(annotate_joint(joint, step), num_fwd_outputs, spec, rng, mode, memo=module._memo)
+        planned = plan_range(annotate_joint(joint, step), num_fwd_outputs, planning, rng, mode, memo=module._memo)
         entry.planned = planned
         entry.grad_deps = grad_deps(planned.cg)
         return planned.fw, planned.bw
 
-    entry.fn = aot_step(step, partition)
+    if inductor:
+        entry.fn, compilers = _inductor_step(entry, spec, rng, partition)
+    else:
+        entry.fn = aot_step(step, partition)
     with spec.prepared(model), mode:
         run_traced(entry.fn, model, fakes, step)  # traces, plans and emits; runs once on the fakes
+    if inductor:
+        _accept_inductor(entry, rng, compilers)
     entry.shapes = rng
     budget_bytes = entry.planned.plan.budget_bytes
     if module._spec.budget.fraction is not None and budget_bytes is not None:

@@ -8,6 +8,7 @@ with ``fused_recompute`` set (:func:`fusing`), and AOTAutograd's compilers are
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from remat_compiler.runtime import distributed
 from remat_compiler.solvers import resolve_budget
 from remat_compiler.trace import aot_step, run_traced
 
-__all__ = ["first_call", "fusing", "InductorState", "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
+__all__ = ["first_call", "range_compilers", "fusing", "InductorState", "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
@@ -159,6 +160,30 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                   f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
     return eager()
+
+
+def range_compilers(entry, spec: PlanSpec, at: dict[str, int]) -> InductorCompilers:
+    """AOTAutograd's compilers for one plan over a range of shapes (:mod:`remat_compiler.dynamic`):
+    Inductor compiles the plan's symbolic forward and backward once for every shape, the walk of
+    its code is taken at the bound ``at`` (symbol name -> size), where every buffer is largest, and
+    held to ``spec``'s budget (:class:`CompiledOverBudget` otherwise, before anything runs). The
+    forward handed back runs the emitted graph itself where its inputs are FakeTensors (the
+    symbolic trace's run that compiles it). The first real step is measured as on one shape
+    (:func:`first_step_report`): above the budget, the next call gives the range up and plans
+    that shape alone, lower."""
+    facts = lambda: dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at)  # noqa: E731
+    compilers = InductorCompilers(facts, first_step_report(entry, spec, 0))
+    compile_forward = compilers.forward
+
+    def forward(gm, example_inputs):
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            emitted = copy.deepcopy(gm)  # before Inductor's passes rewrite gm in place
+        compiled = compile_forward(gm, example_inputs)
+        compiled.on_fakes = emitted
+        return compiled
+
+    compilers.forward = forward
+    return compilers
 
 
 def _lowered(spec: PlanSpec, budget_bytes: float) -> PlanSpec:

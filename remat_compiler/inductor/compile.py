@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,8 +32,9 @@ def _recording_buffers(into: dict[str, int]) -> Iterator[None]:
         result = original(self, *args, **kwargs)
         for name, buf in self.name_to_buffer.items():
             layout = buf.get_output_spec()
-            if isinstance(layout, ir.Layout):
-                into[name] = int(layout.storage_size()) * layout.dtype.itemsize
+            if isinstance(layout, ir.Layout):  # a sympy expression where the sizes are symbolic
+                size = layout.storage_size() * layout.dtype.itemsize
+                into[name] = int(size) if size.is_number else size
             else:
                 into[name] = 0
         return result
@@ -89,6 +90,7 @@ class StepFacts:
     plan_peak_bytes: int
     limit_bytes: int | None     # the budget (None: no limit; the walk still gives the prediction)
     allocator: str = "exact"    # the passes.allocator model the plan's bytes are counted in
+    at: Mapping[str, int] | None = None  # over symbolic sizes: the sizes the code is walked at (the bound)
 
 
 class InductorCompilers:
@@ -130,7 +132,7 @@ class InductorCompilers:
         self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True)
         self.peak = compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
                                   input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,
-                                  allocator=facts.allocator)
+                                  allocator=facts.allocator, at=facts.at)
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         if self._on_first_step is not None:
@@ -150,17 +152,32 @@ class InductorCompilers:
 
 def _backward_inputs(bw: fx.GraphModule, fw: InductorGraph, num_fwd_outputs: int) -> list:
     """The backward's example inputs: its placeholders' values, each saved one with the strides
-    Inductor's forward gives it (as AOTAutograd re-strides them)."""
+    Inductor's forward gives it (as AOTAutograd re-strides them). Over symbolic sizes (a range of
+    shapes, :mod:`remat_compiler.dynamic`) the strides are expressions in the sizes' symbols, read
+    back into the values' ShapeEnv as torch.compile reads them."""
     vals = [p.meta.get("val") for p in bw.graph.find_nodes(op="placeholder")]
     strides = getattr(fw.fn, "output_strides", None)
     if strides is None:
         return vals
+    fake_mode = torch._guards.detect_fake_mode(vals)
+    shape_env = fake_mode.shape_env if fake_mode is not None else None
     saved_strides = list(strides)[num_fwd_outputs:]
     for i, stride in enumerate(saved_strides[:len(vals)]):
         v = vals[i]
         if not isinstance(v, torch.Tensor) or stride is None:
             continue
-        stride = tuple(int(x) for x in stride)  # Inductor records them as printed expressions
-        if tuple(v.stride()) != stride:
+        if all(str(x).lstrip("-").isdigit() for x in stride):
+            stride = tuple(int(x) for x in stride)  # Inductor records them as printed expressions
+        elif shape_env is not None:
+            stride = tuple(shape_env.deserialize_symexpr(str(x)) for x in stride)
+        else:
+            raise UnreadableCodeError(f"Inductor's forward gives a saved value the strides {stride}, "
+                                      f"which are symbolic, on static example values")
+        if [_printed(x) for x in v.stride()] != [_printed(x) for x in stride]:
             vals[i] = v.as_strided(v.size(), stride)
     return vals
+
+
+def _printed(x) -> str:
+    """A size or stride as an expression, compared without guarding on a symbol's value."""
+    return str(x.node.expr) if isinstance(x, torch.SymInt) else str(x)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from torch._subclasses.fake_tensor import FakeTensor
+
 from remat_compiler.emitted import EmittedPeak
 
 __all__ = ["InductorGraph", "UnreadableCodeError", "CompiledOverBudget"]
@@ -46,8 +48,15 @@ class InductorGraph:
     source: str
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     check: Any = None  # a FirstStepCheck (.first_step) measuring this graph's first run (then cleared)
+    # the graph compiled, run where the inputs are FakeTensors (Inductor's kernels cannot run on them):
+    # a range of shapes compiles its code in a run of the symbolic trace on fakes (remat_compiler.dynamic)
+    on_fakes: Any = None
 
     def __call__(self, *args):
+        if self.on_fakes is not None:
+            inputs = args[0] if self._boxed_call else args
+            if any(isinstance(t, FakeTensor) for t in inputs):
+                return list(self.on_fakes(*inputs))
         if self.check is not None:
             return self.check.run(self, args)
         return self.fn(*args)

@@ -1,8 +1,15 @@
 """The peak of the code Inductor wrote: its two generated wrappers' ``call`` functions read line by line
-(:func:`compiled_peak`), under the accounting conventions of :func:`remat_compiler.emitted.emitted_peak`."""
+(:func:`compiled_peak`), under the accounting conventions of :func:`remat_compiler.emitted.emitted_peak`.
+
+Code compiled over symbolic sizes (one plan for a range of shapes, :mod:`remat_compiler.dynamic`)
+allocates buffers whose sizes are expressions in the sizes' symbols (``s10*s11``): the walk reads
+them at given sizes (``at``, symbol name -> size), the range's bound."""
 from __future__ import annotations
 
 import re
+from typing import Mapping
+
+import sympy
 
 import torch
 import torch.fx as fx
@@ -12,7 +19,7 @@ from remat_compiler.inductor.graph import InductorGraph, UnreadableCodeError
 from remat_compiler.passes.allocator import allocator_named
 from remat_compiler.passes.storage import strided_span_bytes
 
-__all__ = ["Storages", "walk_graph", "compiled_peak", "call_body"]
+__all__ = ["Storages", "walk_graph", "compiled_peak", "call_body", "size_at", "symbolic_sizes"]
 
 
 _NAME = r"[A-Za-z_]\w*"
@@ -59,9 +66,29 @@ def _split_top(text: str) -> list[str]:
     return parts
 
 
-def _span_bytes(sizes: str, strides: str, dtype: str) -> int:
-    size = [int(s) for s in sizes.split(",") if s.strip()]
-    stride = [int(s) for s in strides.split(",") if s.strip()]
+def size_at(x, at: Mapping[str, int] | None) -> int:
+    """``x`` (an int, a SymInt, a sympy expression or one printed in Inductor's code) at the sizes
+    ``at`` gives its symbols; UnreadableCodeError where a symbol has no size there."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        x = x.node.expr
+    if isinstance(x, str):
+        if x.strip().lstrip("-").isdigit():
+            return int(x)
+        x = sympy.sympify(x)
+    missing = sorted(str(s) for s in x.free_symbols if str(s) not in (at or {}))
+    if missing:
+        raise UnreadableCodeError(f"a size {x} of symbols {missing} that the walk has no sizes for")
+    value = x.subs({s: at[str(s)] for s in x.free_symbols})
+    if not value.is_integer:
+        raise UnreadableCodeError(f"the size {x} is not an integer at {dict(at)}: {value}")
+    return int(value)
+
+
+def _span_bytes(sizes: str, strides: str, dtype: str, at: Mapping[str, int] | None = None) -> int:
+    size = [size_at(s.strip(), at) for s in sizes.split(",") if s.strip()]
+    stride = [size_at(s.strip(), at) for s in strides.split(",") if s.strip()]
     if any(s == 0 for s in size):
         return 0
     itemsize = getattr(torch, dtype.removeprefix("torch.")).itemsize
@@ -101,9 +128,11 @@ class Storages:
 _RESIDENT = None  # the storage of a parameter, input or constant: counts nothing
 
 
-def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | None]) -> list[int | None]:
+def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | None],
+               at: Mapping[str, int] | None = None) -> list[int | None]:
     """Run the statements of ``graph``'s ``call`` on ``mem``; ``bound`` gives each input's storage
-    (each holding one reference for it). Returns the storages of what it returns, one reference each."""
+    (each holding one reference for it), ``at`` the size of each symbol its sizes are expressions
+    in. Returns the storages of what it returns, one reference each."""
     frame: dict[str, int | None] = {}
     multi: set[str] = set()
     statements = list(call_body(graph.source))
@@ -166,13 +195,14 @@ def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | 
             elif a and a.group(1) in frame:
                 bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
             elif (empty := _EMPTY.match(expr)) is not None:
-                bind(name, mem.new(_span_bytes(*empty.groups())))
+                bind(name, mem.new(_span_bytes(*empty.groups(), at)))
             elif name in graph.buffer_bytes:
-                bind(name, mem.new(graph.buffer_bytes[name]))
-                if graph.buffer_bytes[name] == 0 and not expr.startswith("empty"):
+                nbytes = _buffer_bytes(graph, name, tag, at)
+                bind(name, mem.new(nbytes))
+                if nbytes == 0 and not expr.startswith("empty"):
                     multi.add(name)  # a fallback kernel: its outputs are named next
                     for out in named_from.get(name, ()):
-                        pending[out] = mem.new(_buffer_bytes(graph, out, tag))
+                        pending[out] = mem.new(_buffer_bytes(graph, out, tag, at))
                         mem.acquire(pending[out])
             elif re.match(r"^buf\d+$", name):
                 raise UnreadableCodeError(f"{tag}: {stmt!r} makes {name}, whose size Inductor did not record")
@@ -186,15 +216,38 @@ def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | 
     raise UnreadableCodeError(f"{tag}'s call(args) has no return")
 
 
-def _buffer_bytes(graph: InductorGraph, name: str, tag: str) -> int:
+def _buffer_bytes(graph: InductorGraph, name: str, tag: str, at: Mapping[str, int] | None = None) -> int:
     if name not in graph.buffer_bytes:
         raise UnreadableCodeError(f"{tag}: {name}'s size was not recorded by Inductor")
-    return graph.buffer_bytes[name]
+    return size_at(graph.buffer_bytes[name], at)
+
+
+def symbolic_sizes(graph: InductorGraph) -> list:
+    """Every size expression of ``graph``'s buffers that has symbols: each lowered buffer's storage
+    bytes, and each size and stride its wrapper allocates with (what a range of shapes needs to be
+    non-decreasing in each symbol, :func:`remat_compiler.dynamic.check_monotone`)."""
+    exprs = [b for b in graph.buffer_bytes.values() if not isinstance(b, int)]
+    for stmt in call_body(graph.source):
+        if (m := _ASSIGN.match(stmt)) and (empty := _EMPTY.match(m.group(2))) is not None:
+            for part in (*empty.group(1).split(","), *empty.group(2).split(",")):
+                if part.strip() and not part.strip().lstrip("-").isdigit():
+                    exprs.append(sympy.sympify(part.strip()))
+    return exprs
+
+
+def _value_bytes(val: torch.Tensor, at: Mapping[str, int] | None) -> int:
+    """:func:`strided_span_bytes` of a value whose sizes may be symbolic, at the sizes ``at``."""
+    if not any(isinstance(x, torch.SymInt) for x in (*val.shape, *val.stride())):
+        return strided_span_bytes(val)
+    size, stride = [size_at(x, at) for x in val.shape], [size_at(x, at) for x in val.stride()]
+    if 0 in size:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * val.element_size()
 
 
 def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *,
                   num_fwd_outputs: int, input_updates=(), hold_outputs: bool = True,
-                  allocator: str = "exact") -> EmittedPeak:
+                  allocator: str = "exact", at: Mapping[str, int] | None = None) -> EmittedPeak:
     """Walk Inductor's forward, then its backward, and return their live bytes statement by statement.
 
     Parameters
@@ -205,6 +258,8 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
         As for :func:`remat_compiler.emitted.emitted_peak`: the step's accounting is the same.
     allocator : str
         The :mod:`remat_compiler.passes.allocator` model each buffer is charged by (the cost graph's).
+    at : mapping of str to int, optional
+        Code compiled over symbolic sizes is walked at these sizes (symbol name -> size).
 
     Returns
     -------
@@ -220,7 +275,7 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
     peak = EmittedPeak()
     mem = Storages(peak, allocator_named(allocator).charged_bytes)
     fw_inputs = list(fw_gm.graph.find_nodes(op="placeholder"))
-    outs = walk_graph(fw, "forward", mem, [_RESIDENT] * len(fw_inputs))
+    outs = walk_graph(fw, "forward", mem, [_RESIDENT] * len(fw_inputs), at)
     for i in held_positions(fw_gm, num_fwd_outputs, input_updates, hold_outputs):
         mem.acquire(outs[i])  # held by the caller to the end
     for sid in outs[:num_fwd_outputs]:
@@ -231,12 +286,12 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
     bound = list(saved)  # each keeps the reference the forward's return took
     for p in tangents:
         val = p.meta.get("val")
-        sid = mem.new(strided_span_bytes(val)) if isinstance(val, torch.Tensor) else _RESIDENT
+        sid = mem.new(_value_bytes(val, at)) if isinstance(val, torch.Tensor) else _RESIDENT
         mem.acquire(sid)
         bound.append(sid)
     scalar = [sid for p, sid in zip(tangents, bound[len(saved):])
               if isinstance(p.meta.get("val"), torch.Tensor) and p.meta["val"].dim() == 0]
     for sid in scalar or bound[len(saved):]:
         mem.acquire(sid)  # a gradient seed: autograd's engine holds it to the end
-    walk_graph(bw, "backward", mem, bound)  # the gradients it returns keep their reference to the end
+    walk_graph(bw, "backward", mem, bound, at)  # the gradients it returns keep their reference to the end
     return peak
