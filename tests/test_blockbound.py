@@ -3,6 +3,7 @@ every budget (brute force on a small stack of identical blocks). That it beats t
 GPT-2 and proves the plan optimal there is a timing claim, checked by ``python -m benchmarks.bound_check``."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -39,7 +40,10 @@ class Stack(nn.Module):
         return (x * x).sum()
 
 
+@functools.lru_cache(maxsize=None)
 def _stack(d, h, batch, widths=None):
+    """The graph of a :class:`Stack` of 3 blocks on a batch, traced once per shape for every test here
+    that takes it (none changes the graph: the bound, the menus and the solvers only read it)."""
     torch.manual_seed(0)
     model = Stack(3, d, h, widths)
     _, cg = rc.analyze(model, (torch.randn(batch, d, requires_grad=True),))
@@ -73,7 +77,7 @@ def test_bound_is_below_every_fitting_plan(d, h, batch):
 
 
 def test_blocks_that_differ_are_not_decomposed():
-    cg = _stack(16, 64, 64, widths=[64, 32, 64])
+    cg = _stack(16, 64, 64, widths=(64, 32, 64))
     assert block_bound(cg, 10 ** 9, lambda n: cost_units(cg, n, "flops"), deadline=Deadline(10)) is None
 
 
@@ -147,32 +151,49 @@ class BranchStack(Stack):
         self.layers = nn.ModuleList([Branches(d, widths) for _ in range(n)])
 
 
-def _branch_stack_graph():
+@pytest.fixture(scope="module")
+def branch_stack():
+    """The graph of a :class:`BranchStack`, traced once for the tests that take it (none changes it)."""
     torch.manual_seed(0)
     _, cg = rc.analyze(BranchStack(3, 16, [8, 12, 20, 28]), (torch.randn(128, 16, requires_grad=True),))
     return cg
 
 
-def test_lazy_bands_of_w_give_the_exact_staircases_bound():
-    """The menu's staircases of cost over W, solved from one band edge of W to the next with
-    stand-ins between (cut finer where a choice needs them), give the bound of the exact staircases
-    (every step solved), and a composed plan where they do, at every budget from below the
-    boundary plan's peak to no recomputation's (20 of them: a stand-in at the top of its range of W,
-    or costing twice its due, changes the bound at some); and some stand-ins are never solved."""
+@pytest.fixture(scope="module")
+def w_sweep(branch_stack):
+    """:func:`block_bound` on ``branch_stack`` under the runtime objective at every budget from half
+    the boundary plan's peak to no recomputation's (21 of them), as ``{budget: (exact, lazy)}``: with
+    the exact staircases (``w_granule=1``) and the lazy ones (64 KiB bands of W), each keeping its
+    menu across the budgets; and the lazy one's kept menus. Computed once: the lazy bound at one of
+    these budgets is also the full bound the out-of-time test compares with (a fresh call there took
+    9 s of its 12)."""
     from remat_compiler.schedule import no_recompute
 
-    cg = _branch_stack_graph()
+    cg = branch_stack
     objective = "runtime"
     cost_of = lambda n: cost_units(cg, n, objective)  # noqa: E731
     low = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes // 2
     high = no_recompute(cg).peak_bytes
     exact_menus, lazy_menus = {}, {}
-    finite = 0
+    bounds = {}
     for budget in range(low, high + 1, (high - low) // 20):
         exact = block_bound(cg, budget, cost_of, deadline=Deadline(60), menus=exact_menus, cost_key=objective,
                             w_granule=1)
         lazy = block_bound(cg, budget, cost_of, deadline=Deadline(60), menus=lazy_menus, cost_key=objective,
                            w_granule=64 * 1024)
+        bounds[budget] = (exact, lazy)
+    return bounds, lazy_menus
+
+
+def test_lazy_bands_of_w_give_the_exact_staircases_bound(w_sweep):
+    """The menu's staircases of cost over W, solved from one band edge of W to the next with
+    stand-ins between (cut finer where a choice needs them), give the bound of the exact staircases
+    (every step solved), and a composed plan where they do, at every budget from below the
+    boundary plan's peak to no recomputation's (20 of them: a stand-in at the top of its range of W,
+    or costing twice its due, changes the bound at some); and some stand-ins are never solved."""
+    bounds, lazy_menus = w_sweep
+    finite = 0
+    for budget, (exact, lazy) in bounds.items():
         assert lazy.bound == exact.bound, budget
         assert (lazy.saved is None) == (exact.saved is None), budget
         finite += 0 < exact.bound < float("inf")
@@ -216,7 +237,7 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     assert seed.saved is None and seed.bound == calls[0][1].bound and len(calls) == 1
 
 
-def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_plan(monkeypatch):
+def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_plan(branch_stack, w_sweep, monkeypatch):
     """The menu is refined round by round until the programme's choice is made of found plans; when
     the time runs out first (simulated: the second refinement reports it), the bound stands, and the
     best choice of the block plans found by then is composed into a plan that fits (before, no plan
@@ -225,13 +246,15 @@ def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_pl
     from remat_compiler.schedule import no_recompute, peak_of
     from remat_compiler.solvers.cpsat import blockbound
 
-    cg = _branch_stack_graph()
+    cg = branch_stack
     cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731
     low = simulate(cg, build_schedule(cg, block_boundary_set(cg))).peak_bytes // 2
     high = no_recompute(cg).peak_bytes
     budget = low + 15 * ((high - low) // 20)  # needs several rounds of refinement
-    exact = block_bound(cg, budget, cost_of, deadline=Deadline(60), w_granule=64 * 1024)
-    assert exact.exact and exact.saved is not None
+    # the bound given the time it needs: the sweep's lazy one at this budget (the same call, with the
+    # menu kept from the sweep's lower budgets), exact, with a plan, and the exact staircases' bound
+    staircases, exact = w_sweep[0][budget]
+    assert exact.exact and exact.saved is not None and exact.bound == staircases.bound
 
     real, calls = blockbound._Menu.refine, []
 
@@ -265,7 +288,7 @@ def test_a_composition_that_fits_is_the_plan_when_its_fix_up_finds_nothing_in_ti
 
 
 @pytest.mark.parametrize("granule_units", [1, 1024])
-def test_the_staircase_over_h_in_two_halves_is_the_one_staircase(granule_units):
+def test_the_staircase_over_h_in_two_halves_is_the_one_staircase(branch_stack, granule_units):
     """The menu's staircase of cost over H runs in two halves on two threads (after its first
     point): their points are the sequential staircase's, one for one, at every step (granule of one
     unit: 30 points) and at band edges (1024 units: 17, steps between edges skipped); the least W
@@ -275,7 +298,7 @@ def test_the_staircase_over_h_in_two_halves_is_the_one_staircase(granule_units):
     from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
     from remat_compiler.solvers.cpsat.blockbound.menu import _edge_below, _least, _levels_and_w_min, _staircase
 
-    cg = _branch_stack_graph()
+    cg = branch_stack
     lay = _Layout(cg)
     fixed, k = _fixed_intervals(cg, lay), representative_block(lay.stack)
     cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731

@@ -1,6 +1,7 @@
 """CP-SAT against brute force on random small graphs, and every solver through one validator."""
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -57,20 +58,41 @@ class RandomDAG(nn.Module):
         return sum(v.sum() for v in vals[-2:])
 
 
-def brute_force(cg, budget, objective="runtime"):
-    """Cheapest plan whose simulated (node-level) peak fits: what CP-SAT must find."""
-    best = None
+@functools.lru_cache(maxsize=None)
+def _every_plan(cg):
+    """Every saved set's simulated (node-level) peak and what its schedule recomputes: the brute
+    force's 2^len(candidates) schedules, built and simulated once per graph instead of once per
+    budget, objective and test (no test changes a graph; :func:`_graph` returns the same one)."""
+    plans = []
     for k in range(len(cg.candidates) + 1):
         for subset in itertools.combinations(cg.candidates, k):
             schedule = build_schedule(cg, subset)
-            if simulate(cg, schedule).peak_bytes > budget:
-                continue
-            cost = sum(cost_units(cg, n, objective) for n in schedule.recomputed)
-            best = cost if best is None else min(best, cost)
-    return best
+            plans.append((simulate(cg, schedule).peak_bytes, tuple(schedule.recomputed)))
+    return tuple(plans)
 
 
+@functools.lru_cache(maxsize=None)
+def _plan_costs(cg, objective):
+    """Each of :func:`_every_plan`'s plans as (peak, summed ``cost_units`` of what it recomputes)."""
+    return tuple((peak, sum(cost_units(cg, n, objective) for n in recomputed))
+                 for peak, recomputed in _every_plan(cg))
+
+
+def _peaks(cg):
+    """The distinct simulated peaks of every saved set, ascending: the budgets a plan can reach."""
+    return sorted({peak for peak, _ in _every_plan(cg)})
+
+
+def brute_force(cg, budget, objective="runtime"):
+    """Cheapest plan whose simulated (node-level) peak fits: what CP-SAT must find."""
+    fitting = [cost for peak, cost in _plan_costs(cg, objective) if peak <= budget]
+    return min(fitting) if fitting else None
+
+
+@functools.lru_cache(maxsize=None)
 def _graph(seed):
+    """A random DAG's model, input and cost graph, traced once per seed for every test here that
+    takes it (none changes the graph: the solvers, the simulator and the checks only read it)."""
     torch.manual_seed(seed)
     model = RandomDAG(seed, n_ops=random.Random(seed).randint(7, 10))
     x = torch.randn(128, model.widths[0], requires_grad=True)
@@ -82,9 +104,7 @@ def _graph(seed):
 def test_cpsat_matches_brute_force(seed):
     model, x, cg = _graph(seed)
     assert 1 <= len(cg.candidates) <= 12
-    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
-                    for k in range(len(cg.candidates) + 1)
-                    for s in itertools.combinations(cg.candidates, k)})
+    peaks = _peaks(cg)
     for budget in sorted(set([peaks[0], peaks[len(peaks) // 3], peaks[len(peaks) // 2], peaks[-1]])):
         plan = solve_cpsat(cg, budget, time_limit_s=20, num_workers=2)
         check_plan(cg, plan)
@@ -111,9 +131,7 @@ def test_a_tolerance_stops_within_that_share_of_the_step_and_says_it_is_not_a_pr
     from remat_compiler.solvers.cpsat.costs import step_cost_units
 
     model, x, cg = _graph(seed)
-    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
-                    for k in range(len(cg.candidates) + 1)
-                    for s in itertools.combinations(cg.candidates, k)})
+    peaks = _peaks(cg)
     budget = peaks[len(peaks) // 3]
     best = brute_force(cg, budget)
     step = step_cost_units(cg)
@@ -137,6 +155,20 @@ def test_a_tolerance_outside_zero_to_one_is_refused_by_name():
             solve_cpsat(cg, None, tolerance=bad)
 
 
+_MOE_GRAPHS = {}
+
+
+def _traced_as(strategy, model, x):
+    """The cost graph of ``model`` on ``x`` as ``strategy`` traces it, traced once per ``prepare``:
+    rc.analyze depends on the solver only through its ``prepare`` (the model as it is traced), so the
+    six registered solvers without one trace the same graph, and the two with fused_combine_mode
+    another. Each test builds the same model from the same seed; rc.compile(plan=...) checks that
+    the plan's graph is its model's (the fingerprint), so a graph that were not would fail there."""
+    if strategy.prepare not in _MOE_GRAPHS:
+        _MOE_GRAPHS[strategy.prepare] = rc.analyze(model, (x,), solver=strategy.name)[1]
+    return _MOE_GRAPHS[strategy.prepare]
+
+
 @pytest.mark.parametrize("solver", sorted(rc.SOLVERS))
 def test_every_solver_passes_the_shared_validator_and_keeps_gradients(solver):
     """Every registered solver, on a model it applies to (a stack of MoE layers: repeated blocks and
@@ -149,8 +181,8 @@ def test_every_solver_passes_the_shared_validator_and_keeps_gradients(solver):
     x = torch.randn(32, 16, dtype=torch.float64, requires_grad=True)
     model(x).square().sum().backward()
     expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-    gm, cg = rc.analyze(model, (x,), solver=solver)
     strategy = rc.SOLVERS[solver]
+    cg = _traced_as(strategy, model, x)
     budget = int(0.9 * simulate(cg, build_schedule(cg, cg.candidates)).peak_bytes) if strategy.searching else None
     options = strategy.options_in({"time_limit_s": 5.0, "num_workers": 2})
     plan = rc.solve(cg, budget, solver, **options)
@@ -179,9 +211,7 @@ def test_random_graphs_have_real_trade_offs():
     nontrivial = 0
     for seed in range(8):
         model, x, cg = _graph(seed)
-        peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
-                        for k in range(len(cg.candidates) + 1)
-                        for s in itertools.combinations(cg.candidates, k)})
+        peaks = _peaks(cg)
         nontrivial += len(peaks) > 1 and brute_force(cg, peaks[0]) > 0
     assert nontrivial >= 6
 
@@ -237,9 +267,7 @@ def test_model_peak_is_exact_on_multi_output_ops_and_dropped_outputs():
 def test_cpsat_matches_brute_force_on_counted_flops(seed):
     """objective="flops": FLOPs decide (memory-bound ops count one unit each), still optimal."""
     model, x, cg = _graph(seed)
-    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
-                    for k in range(len(cg.candidates) + 1)
-                    for s in itertools.combinations(cg.candidates, k)})
+    peaks = _peaks(cg)
     for budget in sorted({peaks[0], peaks[len(peaks) // 3]}):
         plan = solve_cpsat(cg, budget, time_limit_s=20, num_workers=2, objective="flops")
         check_plan(cg, plan)
@@ -247,10 +275,8 @@ def test_cpsat_matches_brute_force_on_counted_flops(seed):
         assert plan_cost_units(cg, plan, "flops") == brute_force(cg, budget, "flops"), (seed, budget)
         # the FLOP-only gap is a valid bound: no fitting plan has fewer kFLOPs than it allows
         kflops = sum(cg.attr(n, "flops") // 1000 for n in set(plan.recomputed) if cg.attr(n, "runtime_s") > 0)
-        least = min(sum(cg.attr(n, "flops") // 1000 for n in set(build_schedule(cg, S).recomputed)
-                        if cg.attr(n, "runtime_s") > 0)
-                    for k in range(len(cg.candidates) + 1) for S in itertools.combinations(cg.candidates, k)
-                    if simulate(cg, build_schedule(cg, S)).peak_bytes <= budget)
+        least = min(sum(cg.attr(n, "flops") // 1000 for n in set(recomputed) if cg.attr(n, "runtime_s") > 0)
+                    for peak, recomputed in _every_plan(cg) if peak <= budget)
         gap = plan.extras["flop_gap"]
         assert 0.0 <= gap <= 1.0 and kflops * (1 - gap) <= least + 1e-9, (seed, budget, kflops, gap, least)
         assert kflops > 0 or gap == 0.0
@@ -292,9 +318,7 @@ def test_lp_bound_is_below_every_fitting_plan(seed):
     from remat_compiler.solvers.cpsat.lp import lp_bound
 
     _model, _x, cg = _graph(seed)
-    peaks = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
-                    for k in range(len(cg.candidates) + 1)
-                    for s in itertools.combinations(cg.candidates, k)})
+    peaks = _peaks(cg)
     positive = 0
     for budget in sorted(set(peaks[:: max(1, len(peaks) // 6)])):
         rm = build_model(cg, budget, objective="runtime")
@@ -316,9 +340,7 @@ def test_step_bounds_keep_only_those_no_other_implies(monkeypatch):
 
     assert _undominated([1, 5, 3, 2, 4, 7, 6, 8, 2], F=5) == [1, 4, 5, 7]
     _model, _x, cg = _graph(2)
-    budget = sorted({simulate(cg, build_schedule(cg, s)).peak_bytes
-                     for k in range(len(cg.candidates) + 1)
-                     for s in itertools.combinations(cg.candidates, k)})[0]
+    budget = _peaks(cg)[0]
     pruned = lp_bound(build_model(cg, budget))
     monkeypatch.setattr(cpsat_model, "_undominated", lambda const, F: list(range(len(const))))
     every = lp_bound(build_model(cg, budget))
