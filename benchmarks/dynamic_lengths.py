@@ -2,13 +2,16 @@
 
     python -m benchmarks.dynamic_lengths                      # 50 steps, lengths in [16, 512], gpt2 and llama
     python -m benchmarks.dynamic_lengths --steps 10 --quick   # the quick shapes, lengths in [16, 64]
+    python -m benchmarks.dynamic_lengths --backend inductor   # Inductor compiles the range's plan once
 
 Each workload is compiled with ``max_seq_len`` at the top of the range (and the budget a fraction of
 the no-recompute peak at that bound, resolved there once); then ``--steps`` training steps run at
 lengths drawn uniformly from the range (one seeded generator), the first at a random length too.
 Per step it records the wall time spent tracing and planning (``CompiledModule._first_call``: zero
 for a step the range's plan serves), the step's wall time, and its peak measured with
-:class:`remat_compiler.LiveStorageTracker`. The table gives the first call's planning time, the
+:class:`remat_compiler.LiveStorageTracker` (with ``--backend inductor``, Inductor's own buffers
+shown to it by :func:`remat_compiler.inductor.watch`; the first step's is the backend's own
+first-step measure, taken while the code is being made). The table gives the first call's planning time, the
 planning time of all later steps (the target: <= 10% of the first call's), how many solves were
 made, and the largest measured peak against the budget (the target: every step <= budget).
 
@@ -48,13 +51,16 @@ WORKLOADS = {"gpt2": _gpt2, "llama": _llama}
 
 
 def run(name: str, *, quick: bool, steps: int, low: int, high: int, budget: float, time_limit_s: float,
-        seed: int) -> dict:
+        seed: int, backend: str = "eager") -> dict:
     """Compile one workload for lengths up to ``high`` and step it at random lengths; the figures."""
+    import contextlib
+
     import remat_compiler as rc
     from remat_compiler.api import CompiledModule
+    from remat_compiler.inductor import watch
 
     model, batch, vocab = WORKLOADS[name](quick, high)
-    m = rc.compile(model, memory_budget=budget, max_seq_len=high, time_limit_s=time_limit_s)
+    m = rc.compile(model, memory_budget=budget, max_seq_len=high, time_limit_s=time_limit_s, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     planning, first_call = [], CompiledModule._first_call
 
@@ -73,13 +79,21 @@ def run(name: str, *, quick: bool, steps: int, low: int, high: int, budget: floa
             ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed + i))
             before = len(planning)
             t0 = time.perf_counter()
-            with rc.LiveStorageTracker() as mem:
+            mem = rc.LiveStorageTracker()
+            code = m.planned.inductor if m.planned is not None and m.planned.backend == "inductor" else None
+            with contextlib.ExitStack() as stack:
+                if code is not None:
+                    stack.enter_context(watch(mem, code))
+                stack.enter_context(mem)
                 loss = m(input_ids=ids, labels=ids).loss
                 loss.backward()
             step_s = time.perf_counter() - t0
+            peak = mem.peak_bytes
+            if i == 0 and backend == "inductor":  # the code did not exist yet: the backend's measure of it
+                peak = m.planned.first_step_bytes
             opt.step()
             opt.zero_grad(set_to_none=True)
-            rows.append((length, sum(planning[before:]), step_s, mem.peak_bytes))
+            rows.append((length, sum(planning[before:]), step_s, peak))
     finally:
         CompiledModule._first_call = first_call
     limit = m.plan.budget_bytes
@@ -103,14 +117,16 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=30.0, help="CP-SAT's time_limit_s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--backend", choices=("eager", "inductor"), default="eager")
     a = p.parse_args(argv)
     high = a.high or (64 if a.quick else 512)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = [run(w, quick=a.quick, steps=a.steps, low=a.low, high=high, budget=a.budget,
-                   time_limit_s=a.time_limit, seed=a.seed) for w in a.workloads.split(",")]
+                   time_limit_s=a.time_limit, seed=a.seed, backend=a.backend) for w in a.workloads.split(",")]
     mib = 2 ** 20
     print(f"\n{a.steps} steps at lengths in [{a.low}, {high}] (max_seq_len={high}), budget {a.budget} of the "
-          f"no-recompute peak at the bound, time_limit_s={a.time_limit}{', quick shapes' if a.quick else ''}\n")
+          f"no-recompute peak at the bound, time_limit_s={a.time_limit}, backend={a.backend!r}"
+          f"{', quick shapes' if a.quick else ''}\n")
     print("| workload | first call: planning s | later steps: planning s (re-plans) | later / first | "
           "median step s | budget MiB | plan peak MiB | max measured MiB (at length) | steps over budget |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["ShapeBounds", "ShapeRange", "DynamicShapeError", "symbolic_inputs", "at_bound", "symbolic_emitted",
-           "check_monotone", "plan_range"]
+           "check_monotone", "monotone", "plan_range"]
 
 
 class DynamicShapeError(RuntimeError):
@@ -238,7 +238,7 @@ def symbolic_emitted(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModu
         *[vals[p.name] for p in bw.graph.find_nodes(op="placeholder")])
 
 
-def _monotone(expr, lo: int = 2) -> bool:
+def monotone(expr, lo: int = 2) -> bool:
     """Whether ``expr`` is provably non-decreasing in each of its symbols, each at least ``lo``."""
     syms = sorted(expr.free_symbols, key=str)
     if not syms:
@@ -268,7 +268,7 @@ def check_monotone(*gms: fx.GraphModule) -> None:
                     if isinstance(s, torch.SymInt):
                         expr = s.node.expr
                         if expr not in seen:
-                            seen[expr] = _monotone(expr)
+                            seen[expr] = monotone(expr)
                         if not seen[expr]:
                             raise DynamicShapeError(
                                 f"{n.name} has a size or stride {expr} that is not provably non-decreasing in "
@@ -329,58 +329,16 @@ def entry_key(bounds: ShapeBounds, off: str | None, key: tuple, leaves: list, en
     return rkey
 
 
-def _inductor_step(entry, spec, rng: ShapeRange, partition):
-    """The range's step under Inductor: its compilers walk the code at the bound, and a walk above
-    the budget or code the walk cannot read gives the range up (each shape then has the per-shape
-    backend's re-plans and fallback)."""
-    import remat_compiler.inductor as inductor
-    from remat_compiler.inductor.backend import range_compilers
-    from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
-    from remat_compiler.trace import aot_step
-
-    compilers = range_compilers(entry, spec, {str(s): v for s, v in rng.at_bound().items()})
-
-    def compile_or_give_up(compile_fn):
-        def compiled(gm, example_inputs):
-            try:
-                return compile_fn(gm, example_inputs)
-            except CompiledOverBudget as over:
-                raise DynamicShapeError(f"Inductor's code for the plan at the bound peaks above the budget "
-                                        f"({over})") from over
-            except UnreadableCodeError as exc:
-                raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be read ({exc})") from exc
-        return compiled
-
-    fn = aot_step(entry.step, partition, fw_compiler=compile_or_give_up(compilers.forward),
-                  bw_compiler=compilers.backward, decompositions=inductor.DECOMPOSITIONS)
-    return fn, compilers
-
-
-def _accept_inductor(entry, rng: ShapeRange, compilers) -> None:
-    """Record the range's Inductor code on the entry, once its sizes are shown non-decreasing in
-    each symbol and the ShapeEnv's conditions (Inductor's own guards among them) hold at the bound
-    and at the first call; DynamicShapeError otherwise."""
-    from remat_compiler.inductor.walk import symbolic_sizes
-
-    for graph in (compilers.fw, compilers.bw):
-        for expr in symbolic_sizes(graph):
-            if not _monotone(expr):
-                raise DynamicShapeError(f"Inductor's code allocates a buffer of size {expr}, not provably "
-                                        f"non-decreasing in the length")
-    for where, values in (("the bound", rng.at_bound()), ("the first call", rng.first)):
-        why = rng.why_not_at(values)
-        if why is not None:
-            raise DynamicShapeError(f"Inductor's code for the plan does not hold at {where}: {why}")
-    entry.planned.backend = "inductor"
-    entry.planned.compiled = compilers.peak
-    entry.planned.inductor = (compilers.fw, compilers.bw)
-
-
-def trace_and_run_range(module, entry, inputs: list[torch.Tensor]):
+def trace_and_run_range(module, entry, inputs: list[torch.Tensor], backend=None):
     """A compiled module's first call of a range entry: trace the step once with symbolic sizes
     (the first call's tensors, ``entry.example``, give the hints), plan at the bound
     (:func:`plan_range`), and run the call through the emitted code. ``entry.shapes`` becomes the
     :class:`ShapeRange` later calls are checked against.
+
+    ``backend``: how a compiling backend plans, compiles and accepts the range's step
+    (:class:`remat_compiler.inductor.ranges.InductorRange`: ``planning(spec)``, ``step(entry, spec,
+    rng, partition)`` returning the AOT-wrapped step, ``accept(entry, rng)``); None: the eager
+    backend's, the emitted graphs run as they are.
 
     Raises
     ------
@@ -414,35 +372,24 @@ def trace_and_run_range(module, entry, inputs: list[torch.Tensor]):
     rng = ShapeRange(env, sites, limits)
     rng.first = rng.binding(entry.example[n_state:])
 
-    inductor = module._backend == "inductor"
-    planning = spec
-    if inductor:
-        from remat_compiler.inductor.backend import InductorState, fusing
-
-        if entry.inductor is not None and entry.inductor.over is not None:
-            raise DynamicShapeError("the first step of Inductor's code for the range's plan measured above "
-                                    "the budget")
-        entry.inductor, planning = InductorState.after(entry.inductor), fusing(spec)
+    planning = spec if backend is None else backend.planning(spec)
 
     def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
         planned = plan_range(annotate_joint(joint, step), num_fwd_outputs, planning, rng, mode, memo=module._memo)
         entry.planned = planned
         entry.grad_deps = grad_deps(planned.cg)
+        budget_bytes = planned.plan.budget_bytes
+        if module._spec.budget.fraction is not None and budget_bytes is not None:
+            # a fraction is of the no-recompute peak at the bound: the calls planned per shape (above
+            # the bound, of a size 1, or all of them where the range is given up) keep the same bytes
+            module._spec = dataclasses.replace(module._spec, budget=parse_budget(budget_bytes))
         return planned.fw, planned.bw
 
-    if inductor:
-        entry.fn, compilers = _inductor_step(entry, spec, rng, partition)
-    else:
-        entry.fn = aot_step(step, partition)
+    entry.fn = aot_step(step, partition) if backend is None else backend.step(entry, spec, rng, partition)
     with spec.prepared(model), mode:
         run_traced(entry.fn, model, fakes, step)  # traces, plans and emits; runs once on the fakes
-    if inductor:
-        _accept_inductor(entry, rng, compilers)
+    if backend is not None:
+        backend.accept(entry, rng)
     entry.shapes = rng
-    budget_bytes = entry.planned.plan.budget_bytes
-    if module._spec.budget.fraction is not None and budget_bytes is not None:
-        # a fraction is of the no-recompute peak at the bound: the calls planned per shape (above
-        # the bound, of a size 1) are held to the same bytes
-        module._spec = dataclasses.replace(module._spec, budget=parse_budget(budget_bytes))
     with spec.prepared(model):
         return run_traced(entry.fn, model, inputs, step)

@@ -223,7 +223,11 @@ class CompiledModule(torch.nn.Module):
         """Trace, plan and compile the step on its first call, and run its forward."""
         if entry.shapes is not None:  # one plan for a range of shapes, else per shape from now on
             try:
-                return trace_and_run_range(self, entry, inputs)
+                if self._backend == "eager":
+                    return trace_and_run_range(self, entry, inputs)
+                from remat_compiler.inductor.ranges import first_call_range
+
+                return first_call_range(self, entry, inputs)
             except (DynamicShapeError, UntraceableModelError) as exc:
                 self._shapes_off, entry.shapes, entry.planned = str(exc), None, None
                 warnings.warn(f"max_seq_len: this step cannot be planned once for every length ({exc}); "

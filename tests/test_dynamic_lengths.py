@@ -11,7 +11,7 @@ import torch
 import remat_compiler as rc
 import remat_compiler.pipeline as pipeline
 from remat_compiler import LiveStorageTracker
-from remat_compiler.dynamic import DynamicShapeError, ShapeBounds, _monotone, check_monotone
+from remat_compiler.dynamic import DynamicShapeError, ShapeBounds, monotone, check_monotone
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 
@@ -191,9 +191,9 @@ def test_a_path_that_changes_below_the_bound_gives_up_the_range(solves):
 
 def test_monotone_sizes():
     s0, s1 = sympy.symbols("s0 s1", positive=True, integer=True)
-    assert _monotone(s0 * s1 * 64) and _monotone(s1 - 1) and _monotone(s0 * s1 - s0) and _monotone(sympy.Integer(5))
-    assert not _monotone(512 - s1) and not _monotone(s1 * (20 - s1))
-    assert not _monotone(sympy.floor(s1 / 3))  # not a polynomial: not proven
+    assert monotone(s0 * s1 * 64) and monotone(s1 - 1) and monotone(s0 * s1 - s0) and monotone(sympy.Integer(5))
+    assert not monotone(512 - s1) and not monotone(s1 * (20 - s1))
+    assert not monotone(sympy.floor(s1 / 3))  # not a polynomial: not proven
 
 
 def test_check_monotone_names_the_value():
@@ -255,6 +255,44 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
             assert torch.allclose(g, want[name], rtol=1e-4, atol=1e-5), (length, name)
     assert m.planned.inductor is code and len(m._entries) == 1 and solves[0] == 1
     assert peaks[32] == m.planned.compiled.peak_bytes == max(peaks.values())
+
+
+def test_inductor_range_replans_lower_while_its_code_at_the_bound_peaks_above_the_budget(monkeypatch):
+    """Where the walk of the range's Inductor code at the bound peaks above the budget, the range is
+    planned again under the budget lowered by the overshoot (as on one shape); after
+    INDUCTOR_REPLANS re-plans still above it, the range is given up (each shape then on its own)."""
+    from types import SimpleNamespace
+
+    import remat_compiler.inductor.ranges as ranges
+    from remat_compiler.emitted import EmittedPeak
+    from remat_compiler.inductor.backend import INDUCTOR_REPLANS
+    from remat_compiler.inductor.graph import CompiledOverBudget
+
+    def over(live: int) -> CompiledOverBudget:
+        peak = EmittedPeak()
+        peak.record("backward:buf9", live)
+        return CompiledOverBudget(peak, limit_bytes=1000, plan_peak_bytes=990)
+
+    planned_under = []
+
+    def one_try(module, entry, inputs, backend):
+        planned_under.append(backend.planning_bytes)
+        if len(planned_under) < 3:
+            raise over(1100 - 20 * len(planned_under))  # 1080, then 1060 bytes
+        return "the forward's outputs"
+    monkeypatch.setattr(ranges, "trace_and_run_range", one_try)
+    assert ranges.first_call_range(None, SimpleNamespace(inductor=None), []) == "the forward's outputs"
+    assert planned_under == [None, 990 - 80, 990 - 60]  # the lower of budget and plan, less the overshoot
+
+    def always_over(module, entry, inputs, backend):
+        planned_under.append(backend.planning_bytes)
+        raise over(1100)
+    planned_under.clear()
+    monkeypatch.setattr(ranges, "trace_and_run_range", always_over)
+    with pytest.raises(DynamicShapeError, match=f"after {INDUCTOR_REPLANS} re-plans"):
+        ranges.first_call_range(None, SimpleNamespace(inductor=None), [])
+    assert len(planned_under) == INDUCTOR_REPLANS + 1
+    assert ranges.InductorRange(890).planning(pipeline.PlanSpec.make(0.5, "cpsat", {})).budget.bytes == 890
 
 
 def _rows(n: int, lengths, seed: int = 0) -> list[dict]:

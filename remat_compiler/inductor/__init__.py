@@ -31,7 +31,9 @@ The package, a room per concern (each imports only those above it in this list):
 - :mod:`.first_step`: the first step measured against the walk (:class:`FirstStepCheck`, :func:`watch`);
 - :mod:`.compile`: AOTAutograd's compilers under a plan (:func:`compile_graph`, :class:`InductorCompilers`);
 - :mod:`.backend`: the compiled module's first call on this backend: fused recompute, compile, walk,
-  re-plan lower, the first step's report (imported by :mod:`remat_compiler.module`, not here).
+  re-plan lower, the first step's report (imported by :mod:`remat_compiler.module`, not here);
+- :mod:`.ranges`: the same over a range of shapes (``max_seq_len=``): one compile over symbolic sizes,
+  walked at the bound (imported by :mod:`remat_compiler.module`, not here).
 """
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ with ``fused_recompute`` set (:func:`fusing`), and AOTAutograd's compilers are
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from remat_compiler.runtime import distributed
 from remat_compiler.solvers import resolve_budget
 from remat_compiler.trace import aot_step, run_traced
 
-__all__ = ["first_call", "range_compilers", "fusing", "InductorState", "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
+__all__ = ["first_call", "fusing", "lowered", "inductor_facts", "first_step_report", "InductorState",
+           "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
@@ -126,7 +126,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     tries = INDUCTOR_REPLANS + 1
     if state.replan is not None:
         lower, margin, over_at = state.replan
-        planning = _lowered(planning, lower)
+        planning = lowered(planning, lower)
         if state.measured_replans > MEASURED_REPLANS:
             why, tries = "the first step of its re-planned code measured above the budget again", 0
     for _ in range(tries):
@@ -140,7 +140,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         except CompiledOverBudget as over:
             why = str(over)
             over_at = min(over.limit_bytes, over.plan_peak_bytes)
-            planning = _lowered(planning, over_at - (over.peak.peak_bytes - over.limit_bytes))
+            planning = lowered(planning, over_at - (over.peak.peak_bytes - over.limit_bytes))
             continue
         except UnreadableCodeError as exc:
             why = f"its generated code could not be read ({exc})"
@@ -151,7 +151,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
             why = f"a plan under the lower budget it needs does not exist ({exc})"
             if exc.min_feasible_bytes >= over_at:
                 break  # the leanest plan found peaks where a plan's code already overshot
-            planning = _lowered(planning, exc.min_feasible_bytes)
+            planning = lowered(planning, exc.min_feasible_bytes)
             continue
         entry.planned.backend = "inductor"
         entry.planned.compiled = compilers.peak
@@ -162,31 +162,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     return eager()
 
 
-def range_compilers(entry, spec: PlanSpec, at: dict[str, int]) -> InductorCompilers:
-    """AOTAutograd's compilers for one plan over a range of shapes (:mod:`remat_compiler.dynamic`):
-    Inductor compiles the plan's symbolic forward and backward once for every shape, the walk of
-    its code is taken at the bound ``at`` (symbol name -> size), where every buffer is largest, and
-    held to ``spec``'s budget (:class:`CompiledOverBudget` otherwise, before anything runs). The
-    forward handed back runs the emitted graph itself where its inputs are FakeTensors (the
-    symbolic trace's run that compiles it). The first real step is measured as on one shape
-    (:func:`first_step_report`): above the budget, the next call gives the range up and plans
-    that shape alone, lower."""
-    facts = lambda: dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at)  # noqa: E731
-    compilers = InductorCompilers(facts, first_step_report(entry, spec, 0))
-    compile_forward = compilers.forward
-
-    def forward(gm, example_inputs):
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            emitted = copy.deepcopy(gm)  # before Inductor's passes rewrite gm in place
-        compiled = compile_forward(gm, example_inputs)
-        compiled.on_fakes = emitted
-        return compiled
-
-    compilers.forward = forward
-    return compilers
-
-
-def _lowered(spec: PlanSpec, budget_bytes: float) -> PlanSpec:
+def lowered(spec: PlanSpec, budget_bytes: float) -> PlanSpec:
     """``spec`` re-planning under ``budget_bytes`` (1 byte at least), solved afresh (no given or cached plan)."""
     return dataclasses.replace(spec, budget=parse_budget(max(int(budget_bytes), 1)), plan=None, plan_cache=None)
 

@@ -1,0 +1,121 @@
+"""The Inductor backend over a range of shapes (``compile(..., max_seq_len=, backend="inductor")``):
+one plan, made at the bound (:mod:`remat_compiler.dynamic`), compiled by Inductor once over the
+symbolic sizes, so that every length in the range runs the same code.
+
+Inductor's wrappers then take the sizes as arguments and allocate ``empty_strided((s0, s1, 64), ...)``.
+The walk of that code (:func:`~remat_compiler.inductor.walk.compiled_peak`) reads each size at the
+bound, where every buffer is largest, and is held to the budget before anything runs: every size
+expression Inductor allocates with must be provably non-decreasing in each symbol
+(:func:`~remat_compiler.dynamic.monotone`), as the emitted graphs' values are, and Inductor's own
+guards join the ShapeEnv's conditions, checked at the bound, at the first call and on every call.
+
+Where the walk at the bound peaks above the budget, the range is planned again under a budget lowered
+by the overshoot, as the backend does on one shape (:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS`
+times). Where that does not get under it, where Inductor's code cannot be read, or a size is not
+provably monotone, the range is given up (:class:`~remat_compiler.dynamic.DynamicShapeError`): each
+shape is then planned and compiled on its own, with the one-shape backend's re-plans and fallback.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+import remat_compiler.inductor as inductor
+from remat_compiler.dynamic import DynamicShapeError, ShapeRange, monotone, trace_and_run_range
+from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.inductor.backend import (INDUCTOR_REPLANS, InductorState, first_step_report, fusing,
+                                             inductor_facts, lowered)
+from remat_compiler.inductor.compile import InductorCompilers
+from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
+from remat_compiler.inductor.walk import symbolic_sizes
+from remat_compiler.pipeline import PlanSpec
+from remat_compiler.trace import aot_step
+
+__all__ = ["first_call_range", "InductorRange"]
+
+
+def first_call_range(module, entry, inputs: list[torch.Tensor]):
+    """A compiled module's first call of a range entry under Inductor: trace once with symbolic
+    sizes, plan at the bound, compile, and re-plan lower while the walk of the code at the bound
+    peaks above the budget; the forward's outputs.
+
+    Raises
+    ------
+    DynamicShapeError
+        Where the range cannot be served by one compiled plan (see the module docstring), and after a
+        first step of the range's code measured above the budget (this call is then the next one:
+        the shape is planned on its own, lower).
+    """
+    if entry.inductor is not None and entry.inductor.over is not None:
+        raise DynamicShapeError("the first step of Inductor's code for the range's plan measured above the "
+                                "budget")
+    entry.inductor = InductorState.after(entry.inductor)
+    planning_bytes, why = None, None
+    for _ in range(INDUCTOR_REPLANS + 1):
+        try:
+            return trace_and_run_range(module, entry, inputs, InductorRange(planning_bytes))
+        except CompiledOverBudget as over:
+            why = str(over)
+            over_at = min(over.limit_bytes, over.plan_peak_bytes)
+            planning_bytes = over_at - (over.peak.peak_bytes - over.limit_bytes)
+        except UnreadableCodeError as exc:
+            raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be read ({exc})") from exc
+        except InfeasibleBudgetError as exc:
+            if planning_bytes is None:  # the user's own budget: no plan at all
+                raise
+            raise DynamicShapeError(f"no plan under the lower budget Inductor's code at the bound needs ({exc})") from exc
+    raise DynamicShapeError(f"Inductor's code for the range's plan peaks above the budget at the bound after "
+                            f"{INDUCTOR_REPLANS} re-plans ({why})")
+
+
+@dataclasses.dataclass
+class InductorRange:
+    """How :func:`~remat_compiler.dynamic.trace_and_run_range` plans, compiles and accepts a range's
+    step under Inductor. ``planning_bytes``: the lower budget a re-plan plans under (None: the
+    budget's own); the code is held to the budget's own either way."""
+
+    planning_bytes: int | None = None
+    compilers: InductorCompilers | None = None
+
+    def planning(self, spec: PlanSpec) -> PlanSpec:
+        """The spec to plan with: the fused recompute of the Inductor backend, lowered on a re-plan."""
+        spec = fusing(spec)
+        return spec if self.planning_bytes is None else lowered(spec, self.planning_bytes)
+
+    def step(self, entry, spec: PlanSpec, rng: ShapeRange, partition):
+        """The step wrapped in AOTAutograd with Inductor's compilers, walked at the bound."""
+        at = {str(s): v for s, v in rng.at_bound().items()}
+        facts = lambda: dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at)  # noqa: E731
+        compilers = self.compilers = InductorCompilers(facts, first_step_report(entry, spec, 0))
+        compile_forward = compilers.forward
+
+        def forward(gm, example_inputs):
+            """Inductor's forward, which runs the emitted graph itself where its inputs are FakeTensors
+            (the symbolic trace's one run, which compiles the code)."""
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                emitted = copy.deepcopy(gm)  # before Inductor's passes rewrite gm in place
+            compiled = compile_forward(gm, example_inputs)
+            compiled.on_fakes = emitted
+            return compiled
+
+        return aot_step(entry.step, partition, fw_compiler=forward, bw_compiler=compilers.backward,
+                        decompositions=inductor.DECOMPOSITIONS)
+
+    def accept(self, entry, rng: ShapeRange) -> None:
+        """Record the code on the entry once its sizes are non-decreasing in each symbol and the
+        ShapeEnv's conditions, Inductor's guards among them, hold at the bound and at the first call."""
+        fw, bw = self.compilers.fw, self.compilers.bw
+        for graph in (fw, bw):
+            for expr in symbolic_sizes(graph):
+                if not monotone(expr):
+                    raise DynamicShapeError(f"Inductor's code allocates a buffer of size {expr}, not provably "
+                                            f"non-decreasing in the length")
+        for where, values in (("the bound", rng.at_bound()), ("the first call", rng.first)):
+            why = rng.why_not_at(values)
+            if why is not None:
+                raise DynamicShapeError(f"Inductor's code for the plan does not hold at {where}: {why}")
+        entry.planned.backend = "inductor"
+        entry.planned.compiled = self.compilers.peak
+        entry.planned.inductor = (fw, bw)
