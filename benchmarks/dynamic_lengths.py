@@ -80,17 +80,18 @@ def run(name: str, *, quick: bool, steps: int, low: int, high: int, budget: floa
             before = len(planning)
             t0 = time.perf_counter()
             mem = rc.LiveStorageTracker()
-            code = m.planned.inductor if m.planned is not None and m.planned.backend == "inductor" else None
             with contextlib.ExitStack() as stack:
-                if code is not None:
-                    stack.enter_context(watch(mem, code))
+                for e in m._entries.values():  # every entry's Inductor code: any may serve this call
+                    if e.planned is not None and e.planned.backend == "inductor":
+                        stack.enter_context(watch(mem, e.planned.inductor))
                 stack.enter_context(mem)
                 loss = m(input_ids=ids, labels=ids).loss
                 loss.backward()
             step_s = time.perf_counter() - t0
             peak = mem.peak_bytes
-            if i == 0 and backend == "inductor":  # the code did not exist yet: the backend's measure of it
-                peak = m.planned.first_step_bytes
+            if len(planning) > before and m.planned.backend == "inductor":
+                # the code did not exist when the step began: the backend's own measure of it
+                peak = m.planned.first_step_bytes if m.planned.first_step_bytes is not None else peak
             opt.step()
             opt.zero_grad(set_to_none=True)
             rows.append((length, sum(planning[before:]), step_s, peak))

@@ -243,8 +243,9 @@ def compile(model: torch.nn.Module, memory_budget=None, *, solver: str | Callabl
         graph does not hold for is traced and planned for its own shape, as without the option.
         None (default): each new shape is traced and planned on its own. With
         ``backend="inductor"`` Inductor compiles the plan once over symbolic sizes, its code walked
-        at the bound; where that code peaks above the budget, or cannot be read, each shape is
-        planned and compiled on its own. Not with ``plan=``.
+        at the bound and re-planned lower while that walk peaks above the budget; where that does
+        not get under it, or the code cannot be made or read, or under torch.distributed, each shape
+        is planned and compiled on its own (:mod:`remat_compiler.inductor.ranges`). Not with ``plan=``.
     max_batch_size : int, optional
         With ``max_seq_len``: the largest batch that shares the plan; None: the first call's.
     **solver_options :

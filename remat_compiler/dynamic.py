@@ -129,6 +129,7 @@ class ShapeRange:
     sites: dict
     bounds: dict
     first: dict = field(default_factory=dict)  # symbol -> its value at the first call
+    budget_bytes: int | None = None  # the budget the plan at the bound was made under, once made
     _seen: dict = field(default_factory=dict, repr=False)  # sizes met -> why_not's answer (None: served)
 
     def binding(self, flat: list[torch.Tensor]) -> dict | str:
@@ -243,6 +244,8 @@ def monotone(expr, lo: int = 2) -> bool:
     syms = sorted(expr.free_symbols, key=str)
     if not syms:
         return True
+    if not expr.is_polynomial(*syms):  # a floor division, a max, a modulo: not proven
+        return False
     t = {s: sympy.Symbol(f"t_{s}", nonnegative=True) for s in syms}
     for s in syms:
         d = sympy.diff(expr, s).xreplace({x: lo + t[x] for x in syms})
@@ -294,6 +297,7 @@ def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, spec, rng: ShapeRang
         if why is not None:
             raise DynamicShapeError(f"the step traced with symbolic sizes does not hold at {where} ({values}): {why}")
     planned = plan_joint(at_bound(joint, rng, bound), num_fwd_outputs, spec, memo=memo)
+    rng.budget_bytes = planned.plan.budget_bytes
     symbolic_emitted(planned.fw, planned.bw, joint, fake_mode)
     check_monotone(planned.fw, planned.bw)
     for where, values in (("the bound", bound), ("the first call", rng.first)):
@@ -378,16 +382,17 @@ def trace_and_run_range(module, entry, inputs: list[torch.Tensor], backend=None)
         planned = plan_range(annotate_joint(joint, step), num_fwd_outputs, planning, rng, mode, memo=module._memo)
         entry.planned = planned
         entry.grad_deps = grad_deps(planned.cg)
-        budget_bytes = planned.plan.budget_bytes
-        if module._spec.budget.fraction is not None and budget_bytes is not None:
-            # a fraction is of the no-recompute peak at the bound: the calls planned per shape (above
-            # the bound, of a size 1, or all of them where the range is given up) keep the same bytes
-            module._spec = dataclasses.replace(module._spec, budget=parse_budget(budget_bytes))
         return planned.fw, planned.bw
 
     entry.fn = aot_step(step, partition) if backend is None else backend.step(entry, spec, rng, partition)
-    with spec.prepared(model), mode:
-        run_traced(entry.fn, model, fakes, step)  # traces, plans and emits; runs once on the fakes
+    try:
+        with spec.prepared(model), mode:
+            run_traced(entry.fn, model, fakes, step)  # traces, plans and emits; runs once on the fakes
+    finally:
+        if module._spec.budget.fraction is not None and rng.budget_bytes is not None:
+            # a fraction is of the no-recompute peak at the bound: the calls planned per shape (above
+            # the bound, of a size 1, or all of them where the range is given up) keep the same bytes
+            module._spec = dataclasses.replace(module._spec, budget=parse_budget(rng.budget_bytes))
     if backend is not None:
         backend.accept(entry, rng)
     entry.shapes = rng

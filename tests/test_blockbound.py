@@ -253,8 +253,8 @@ def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_pl
     budget = low + 15 * ((high - low) // 20)  # needs several rounds of refinement
     # the bound given the time it needs: the sweep's lazy one at this budget (the same call, with the
     # menu kept from the sweep's lower budgets), exact, with a plan, and the exact staircases' bound
-    staircases, exact = w_sweep[0][budget]
-    assert exact.exact and exact.saved is not None and exact.bound == staircases.bound
+    staircases, full = w_sweep[0][budget]
+    assert full.exact and full.saved is not None and full.bound == staircases.bound
 
     real, calls = blockbound._Menu.refine, []
 
@@ -267,8 +267,8 @@ def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_pl
     assert not partial.exact and partial.saved is not None
     assert peak_of(cg, partial.saved) <= budget
     recomputed = sum(cost_of(n) for n in build_schedule(cg, partial.saved).recomputed)
-    assert partial.bound <= exact.bound <= recomputed  # a weaker bound, still below every plan
-    assert partial.block_candidates == exact.block_candidates
+    assert partial.bound <= full.bound <= recomputed  # a weaker bound, still below every plan
+    assert partial.block_candidates == full.block_candidates
 
 
 def test_a_composition_that_fits_is_the_plan_when_its_fix_up_finds_nothing_in_time(monkeypatch):

@@ -8,6 +8,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -33,7 +34,7 @@ def _recording_buffers(into: dict[str, int]) -> Iterator[None]:
         for name, buf in self.name_to_buffer.items():
             layout = buf.get_output_spec()
             if isinstance(layout, ir.Layout):  # a sympy expression where the sizes are symbolic
-                size = layout.storage_size() * layout.dtype.itemsize
+                size = sympy.sympify(layout.storage_size()) * layout.dtype.itemsize
                 into[name] = int(size) if size.is_number else size
             else:
                 into[name] = 0
@@ -90,7 +91,7 @@ class StepFacts:
     plan_peak_bytes: int
     limit_bytes: int | None     # the budget (None: no limit; the walk still gives the prediction)
     allocator: str = "exact"    # the passes.allocator model the plan's bytes are counted in
-    at: Mapping[str, int] | None = None  # over symbolic sizes: the sizes the code is walked at (the bound)
+    at: Mapping[str, int] | None = None  # over symbolic sizes: the sizes the code is walked at
 
 
 class InductorCompilers:
@@ -113,11 +114,17 @@ class InductorCompilers:
     on_first_step : callable, optional
         Called with the measured peak of the first step the accepted code runs, and the bytes of
         its outputs the caller held against the plan's assumption (see :class:`FirstStepCheck`).
+    on_fakes : bool
+        The compiled forward runs the emitted graph itself where its inputs are FakeTensors
+        (:attr:`InductorGraph.on_fakes`): a range of shapes compiles its code in the symbolic
+        trace's one run on fakes, which Inductor's kernels cannot run.
     """
 
-    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int, int], None] | None = None):
+    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int, int], None] | None = None,
+                 *, on_fakes: bool = False):
         self._facts = facts
         self._on_first_step = on_first_step
+        self._on_fakes = on_fakes
         self.fw: InductorGraph | None = None
         self.bw: InductorGraph | None = None
         self.peak: EmittedPeak | None = None
@@ -125,7 +132,12 @@ class InductorCompilers:
 
     def forward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
         facts = self._facts()
+        emitted = None
+        if self._on_fakes:
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                emitted = copy.deepcopy(gm)  # before Inductor's passes rewrite gm in place
         self.fw = compile_graph(gm, example_inputs, backward=False, num_user_outputs=facts.num_fwd_outputs)
+        self.fw.on_fakes = emitted
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             bw_gm = copy.deepcopy(facts.bw)
         self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
@@ -169,7 +181,11 @@ def _backward_inputs(bw: fx.GraphModule, fw: InductorGraph, num_fwd_outputs: int
         if all(str(x).lstrip("-").isdigit() for x in stride):
             stride = tuple(int(x) for x in stride)  # Inductor records them as printed expressions
         elif shape_env is not None:
-            stride = tuple(shape_env.deserialize_symexpr(str(x)) for x in stride)
+            try:
+                stride = tuple(shape_env.deserialize_symexpr(str(x)) for x in stride)
+            except Exception as exc:  # noqa: BLE001 - any failure to read it back: the code is not trusted
+                raise UnreadableCodeError(f"Inductor's forward gives a saved value the strides {stride}, "
+                                          f"which could not be read back as sizes ({exc})") from exc
         else:
             raise UnreadableCodeError(f"Inductor's forward gives a saved value the strides {stride}, "
                                       f"which are symbolic, on static example values")

@@ -39,17 +39,19 @@ class InductorGraph:
         What Inductor returned (boxed: called with a list of inputs it clears).
     source : str
         The generated wrapper module's source.
-    buffer_bytes : dict[str, int]
+    buffer_bytes : dict[str, int | sympy.Expr]
         Storage bytes of each buffer Inductor lowered, by its name in ``source`` (0 for a
-        multi-output kernel's tuple).
+        multi-output kernel's tuple); an expression in the sizes' symbols where the code was
+        compiled over symbolic sizes.
+    on_fakes : GraphModule, optional
+        The graph compiled, run instead where the inputs are FakeTensors (see
+        :class:`~remat_compiler.inductor.compile.InductorCompilers`); cleared once the code is accepted.
     """
 
     fn: Callable
     source: str
-    buffer_bytes: dict[str, int] = field(default_factory=dict)
+    buffer_bytes: dict[str, Any] = field(default_factory=dict)
     check: Any = None  # a FirstStepCheck (.first_step) measuring this graph's first run (then cleared)
-    # the graph compiled, run where the inputs are FakeTensors (Inductor's kernels cannot run on them):
-    # a range of shapes compiles its code in a run of the symbolic trace on fakes (remat_compiler.dynamic)
     on_fakes: Any = None
 
     def __call__(self, *args):

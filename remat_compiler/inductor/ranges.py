@@ -10,14 +10,14 @@ expression Inductor allocates with must be provably non-decreasing in each symbo
 guards join the ShapeEnv's conditions, checked at the bound, at the first call and on every call.
 
 Where the walk at the bound peaks above the budget, the range is planned again under a budget lowered
-by the overshoot, as the backend does on one shape (:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS`
-times). Where that does not get under it, where Inductor's code cannot be read, or a size is not
-provably monotone, the range is given up (:class:`~remat_compiler.dynamic.DynamicShapeError`): each
-shape is then planned and compiled on its own, with the one-shape backend's re-plans and fallback.
+by the overshoot, or at the leanest plan's peak where that lower budget has no plan, as the backend
+does on one shape (:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS` times). Where that does
+not get under it, where Inductor cannot compile the symbolic graphs or its code cannot be read, or a
+size is not provably monotone, the range is given up (:class:`~remat_compiler.dynamic.DynamicShapeError`):
+each shape is then planned and compiled on its own, with the one-shape backend's re-plans and fallback.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -31,6 +31,7 @@ from remat_compiler.inductor.compile import InductorCompilers
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
 from remat_compiler.inductor.walk import symbolic_sizes
 from remat_compiler.pipeline import PlanSpec
+from remat_compiler.runtime import distributed
 from remat_compiler.trace import aot_step
 
 __all__ = ["first_call_range", "InductorRange"]
@@ -44,15 +45,22 @@ def first_call_range(module, entry, inputs: list[torch.Tensor]):
     Raises
     ------
     DynamicShapeError
-        Where the range cannot be served by one compiled plan (see the module docstring), and after a
-        first step of the range's code measured above the budget (this call is then the next one:
-        the shape is planned on its own, lower).
+        Where the range cannot be served by one compiled plan (see the module docstring); under
+        torch.distributed (the ranks would decide apart: each shape is planned on its own, rank 0
+        planning for all); after a first step of the range's code measured above the budget (this
+        call is then the next one: the shape is planned on its own, lower).
+    InfeasibleBudgetError, UntraceableModelError
+        As on one shape: no plan fits the budget at the bound; the model cannot be traced.
     """
+    from torch._inductor.exc import InductorError
+
+    if distributed():
+        raise DynamicShapeError("under torch.distributed the Inductor backend plans each shape on its own")
     if entry.inductor is not None and entry.inductor.over is not None:
         raise DynamicShapeError("the first step of Inductor's code for the range's plan measured above the "
                                 "budget")
-    entry.inductor = InductorState.after(entry.inductor)
-    planning_bytes, why = None, None
+    entry.inductor = entry.inductor or InductorState()
+    planning_bytes, over_at, why = None, None, None
     for _ in range(INDUCTOR_REPLANS + 1):
         try:
             return trace_and_run_range(module, entry, inputs, InductorRange(planning_bytes))
@@ -60,14 +68,17 @@ def first_call_range(module, entry, inputs: list[torch.Tensor]):
             why = str(over)
             over_at = min(over.limit_bytes, over.plan_peak_bytes)
             planning_bytes = over_at - (over.peak.peak_bytes - over.limit_bytes)
-        except UnreadableCodeError as exc:
-            raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be read ({exc})") from exc
+        except (UnreadableCodeError, InductorError) as exc:
+            raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be made or read ({exc})") from exc
         except InfeasibleBudgetError as exc:
-            if planning_bytes is None:  # the user's own budget: no plan at all
+            if over_at is None:  # the user's own budget: no plan at all
                 raise
-            raise DynamicShapeError(f"no plan under the lower budget Inductor's code at the bound needs ({exc})") from exc
-    raise DynamicShapeError(f"Inductor's code for the range's plan peaks above the budget at the bound after "
-                            f"{INDUCTOR_REPLANS} re-plans ({why})")
+            why = f"no plan under the lower budget its code needs ({exc})"
+            if exc.min_feasible_bytes >= over_at:
+                break  # the leanest plan found peaks where a plan's code already overshot
+            planning_bytes = exc.min_feasible_bytes
+    raise DynamicShapeError(f"Inductor's code for the range's plan does not keep the budget at the bound, "
+                            f"after up to {INDUCTOR_REPLANS} re-plans: {why}")
 
 
 @dataclasses.dataclass
@@ -86,21 +97,11 @@ class InductorRange:
 
     def step(self, entry, spec: PlanSpec, rng: ShapeRange, partition):
         """The step wrapped in AOTAutograd with Inductor's compilers, walked at the bound."""
-        at = {str(s): v for s, v in rng.at_bound().items()}
-        facts = lambda: dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at)  # noqa: E731
-        compilers = self.compilers = InductorCompilers(facts, first_step_report(entry, spec, 0))
-        compile_forward = compilers.forward
-
-        def forward(gm, example_inputs):
-            """Inductor's forward, which runs the emitted graph itself where its inputs are FakeTensors
-            (the symbolic trace's one run, which compiles the code)."""
-            with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                emitted = copy.deepcopy(gm)  # before Inductor's passes rewrite gm in place
-            compiled = compile_forward(gm, example_inputs)
-            compiled.on_fakes = emitted
-            return compiled
-
-        return aot_step(entry.step, partition, fw_compiler=forward, bw_compiler=compilers.backward,
+        def facts():
+            at = {str(s): v for s, v in rng.at_bound().items()}
+            return dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at)
+        compilers = self.compilers = InductorCompilers(facts, first_step_report(entry, spec, 0), on_fakes=True)
+        return aot_step(entry.step, partition, fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                         decompositions=inductor.DECOMPOSITIONS)
 
     def accept(self, entry, rng: ShapeRange) -> None:
@@ -116,6 +117,7 @@ class InductorRange:
             why = rng.why_not_at(values)
             if why is not None:
                 raise DynamicShapeError(f"Inductor's code for the plan does not hold at {where}: {why}")
+        fw.on_fakes = None  # compiled: the calls from now on are real ones
         entry.planned.backend = "inductor"
         entry.planned.compiled = self.compilers.peak
         entry.planned.inductor = (fw, bw)

@@ -24,7 +24,8 @@ __all__ = ["Storages", "walk_graph", "compiled_peak", "call_body", "size_at", "s
 
 _NAME = r"[A-Za-z_]\w*"
 _ASSIGN = re.compile(rf"^({_NAME}) = (.+)$")
-_EMPTY = re.compile(r"^empty_strided\w*\(\(([^)]*)\), \(([^)]*)\),.*?(torch\.\w+)")
+_EMPTY = re.compile(r"^empty_strided\w*\((.*)\)$")
+_DTYPE = re.compile(r"^(?:dtype=)?(torch\.\w+)$")
 _ALIAS = re.compile(rf"^(?:reinterpret_tensor\()?({_NAME})(?:,.*\))?$")
 _ITEM = re.compile(rf"^({_NAME})\[(\d+)\]$")
 _UNPACK = re.compile(rf"^((?:{_NAME}, )*{_NAME},?) = args$")
@@ -68,7 +69,8 @@ def _split_top(text: str) -> list[str]:
 
 def size_at(x, at: Mapping[str, int] | None) -> int:
     """``x`` (an int, a SymInt, a sympy expression or one printed in Inductor's code) at the sizes
-    ``at`` gives its symbols; UnreadableCodeError where a symbol has no size there."""
+    ``at`` gives its symbols; UnreadableCodeError where a symbol has no size there, or the
+    expression is not one sympy reads to an integer."""
     if isinstance(x, int):
         return x
     if isinstance(x, torch.SymInt):
@@ -76,7 +78,7 @@ def size_at(x, at: Mapping[str, int] | None) -> int:
     if isinstance(x, str):
         if x.strip().lstrip("-").isdigit():
             return int(x)
-        x = sympy.sympify(x)
+        x = _sympified(x)
     missing = sorted(str(s) for s in x.free_symbols if str(s) not in (at or {}))
     if missing:
         raise UnreadableCodeError(f"a size {x} of symbols {missing} that the walk has no sizes for")
@@ -86,9 +88,30 @@ def size_at(x, at: Mapping[str, int] | None) -> int:
     return int(value)
 
 
-def _span_bytes(sizes: str, strides: str, dtype: str, at: Mapping[str, int] | None = None) -> int:
-    size = [size_at(s.strip(), at) for s in sizes.split(",") if s.strip()]
-    stride = [size_at(s.strip(), at) for s in strides.split(",") if s.strip()]
+def _sympified(text: str):
+    try:
+        return sympy.sympify(text)
+    except (sympy.SympifyError, SyntaxError, TypeError) as exc:
+        raise UnreadableCodeError(f"a size {text!r} in Inductor's code is not an expression sympy reads") from exc
+
+
+def _empty_args(expr: str) -> tuple[list[str], list[str], str] | None:
+    """The sizes, strides and dtype of an ``empty_strided*((sizes), (strides), ..., dtype)`` call in
+    Inductor's code (each size as printed, parentheses inside it kept); None for another statement
+    (its buffer is then sized from what Inductor recorded)."""
+    m = _EMPTY.match(expr)
+    if m is None:
+        return None
+    args = _split_top(m.group(1))
+    dtype = next((d.group(1) for a in args[2:] if (d := _DTYPE.match(a)) is not None), None)
+    if len(args) < 3 or dtype is None or not all(a.startswith("(") and a.endswith(")") for a in args[:2]):
+        return None
+    return _split_top(args[0][1:-1]), _split_top(args[1][1:-1]), dtype
+
+
+def _span_bytes(sizes: list[str], strides: list[str], dtype: str, at: Mapping[str, int] | None = None) -> int:
+    size = [size_at(x, at) for x in sizes]
+    stride = [size_at(x, at) for x in strides]
     if any(s == 0 for s in size):
         return 0
     itemsize = getattr(torch, dtype.removeprefix("torch.")).itemsize
@@ -194,8 +217,8 @@ def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | 
                 frame[name] = pending.pop(name)
             elif a and a.group(1) in frame:
                 bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
-            elif (empty := _EMPTY.match(expr)) is not None:
-                bind(name, mem.new(_span_bytes(*empty.groups(), at)))
+            elif (empty := _empty_args(expr)) is not None:
+                bind(name, mem.new(_span_bytes(*empty, at)))
             elif name in graph.buffer_bytes:
                 nbytes = _buffer_bytes(graph, name, tag, at)
                 bind(name, mem.new(nbytes))
@@ -225,13 +248,11 @@ def _buffer_bytes(graph: InductorGraph, name: str, tag: str, at: Mapping[str, in
 def symbolic_sizes(graph: InductorGraph) -> list:
     """Every size expression of ``graph``'s buffers that has symbols: each lowered buffer's storage
     bytes, and each size and stride its wrapper allocates with (what a range of shapes needs to be
-    non-decreasing in each symbol, :func:`remat_compiler.dynamic.check_monotone`)."""
+    non-decreasing in each symbol, :func:`remat_compiler.dynamic.monotone`)."""
     exprs = [b for b in graph.buffer_bytes.values() if not isinstance(b, int)]
     for stmt in call_body(graph.source):
-        if (m := _ASSIGN.match(stmt)) and (empty := _EMPTY.match(m.group(2))) is not None:
-            for part in (*empty.group(1).split(","), *empty.group(2).split(",")):
-                if part.strip() and not part.strip().lstrip("-").isdigit():
-                    exprs.append(sympy.sympify(part.strip()))
+        if (m := _ASSIGN.match(stmt)) and (empty := _empty_args(m.group(2))) is not None:
+            exprs += [_sympified(x) for x in (*empty[0], *empty[1]) if not x.lstrip("-").isdigit()]
     return exprs
 
 
