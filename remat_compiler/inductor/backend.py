@@ -25,7 +25,7 @@ from remat_compiler.runtime import distributed
 from remat_compiler.solvers import resolve_budget
 from remat_compiler.trace import aot_step, run_traced
 
-__all__ = ["first_call", "fusing", "lowered", "inductor_facts", "first_step_report", "InductorState",
+__all__ = ["first_call", "fusing", "lowered", "replan_after", "inductor_facts", "first_step_report", "InductorState",
            "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
 
 
@@ -137,22 +137,15 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         try:
             with spec.prepared(model):
                 out = run_traced(entry.fn, model, inputs, entry.step)
-        except CompiledOverBudget as over:
-            why = str(over)
-            over_at = min(over.limit_bytes, over.plan_peak_bytes)
-            planning = lowered(planning, over_at - (over.peak.peak_bytes - over.limit_bytes))
+        except (CompiledOverBudget, InfeasibleBudgetError) as exc:
+            lower, over_at, why = replan_after(exc, over_at)
+            if lower is None:
+                break
+            planning = lowered(planning, lower)
             continue
         except UnreadableCodeError as exc:
             why = f"its generated code could not be read ({exc})"
             break
-        except InfeasibleBudgetError as exc:
-            if over_at is None:  # the user's own budget: no plan at all
-                raise
-            why = f"a plan under the lower budget it needs does not exist ({exc})"
-            if exc.min_feasible_bytes >= over_at:
-                break  # the leanest plan found peaks where a plan's code already overshot
-            planning = lowered(planning, exc.min_feasible_bytes)
-            continue
         entry.planned.backend = "inductor"
         entry.planned.compiled = compilers.peak
         entry.planned.inductor = (compilers.fw, compilers.bw)
@@ -160,6 +153,23 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                   f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
     return eager()
+
+
+def replan_after(exc: CompiledOverBudget | InfeasibleBudgetError, over_at: int | None
+                 ) -> tuple[int | None, int, str]:
+    """The re-plan rule of the backend's loops (one shape, and a range of shapes): after code that
+    peaks above the budget, the next planning budget is the lower of the budget and the plan's peak,
+    less the overshoot; where that lower budget has no plan, the leanest plan's peak, unless that
+    peaks where a plan's code already overshot (``over_at``, the lowest such planning budget).
+    Returns (the next planning budget, None: stop; the new ``over_at``; why the last try failed).
+    Re-raises an InfeasibleBudgetError of the user's own budget (no ``over_at`` yet): no plan at all."""
+    if isinstance(exc, CompiledOverBudget):
+        over_at = min(exc.limit_bytes, exc.plan_peak_bytes)
+        return over_at - (exc.peak.peak_bytes - exc.limit_bytes), over_at, str(exc)
+    if over_at is None:
+        raise exc
+    why = f"a plan under the lower budget its code needs does not exist ({exc})"
+    return (None if exc.min_feasible_bytes >= over_at else exc.min_feasible_bytes), over_at, why
 
 
 def lowered(spec: PlanSpec, budget_bytes: float) -> PlanSpec:

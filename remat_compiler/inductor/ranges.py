@@ -26,7 +26,7 @@ import remat_compiler.inductor as inductor
 from remat_compiler.dynamic import DynamicShapeError, ShapeRange, monotone, trace_and_run_range
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.inductor.backend import (INDUCTOR_REPLANS, InductorState, first_step_report, fusing,
-                                             inductor_facts, lowered)
+                                             inductor_facts, lowered, replan_after)
 from remat_compiler.inductor.compile import InductorCompilers
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
 from remat_compiler.inductor.walk import symbolic_sizes
@@ -64,19 +64,12 @@ def first_call_range(module, entry, inputs: list[torch.Tensor]):
     for _ in range(INDUCTOR_REPLANS + 1):
         try:
             return trace_and_run_range(module, entry, inputs, InductorRange(planning_bytes))
-        except CompiledOverBudget as over:
-            why = str(over)
-            over_at = min(over.limit_bytes, over.plan_peak_bytes)
-            planning_bytes = over_at - (over.peak.peak_bytes - over.limit_bytes)
+        except (CompiledOverBudget, InfeasibleBudgetError) as exc:
+            planning_bytes, over_at, why = replan_after(exc, over_at)
+            if planning_bytes is None:
+                break
         except (UnreadableCodeError, InductorError) as exc:
             raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be made or read ({exc})") from exc
-        except InfeasibleBudgetError as exc:
-            if over_at is None:  # the user's own budget: no plan at all
-                raise
-            why = f"no plan under the lower budget its code needs ({exc})"
-            if exc.min_feasible_bytes >= over_at:
-                break  # the leanest plan found peaks where a plan's code already overshot
-            planning_bytes = exc.min_feasible_bytes
     raise DynamicShapeError(f"Inductor's code for the range's plan does not keep the budget at the bound, "
                             f"after up to {INDUCTOR_REPLANS} re-plans: {why}")
 
