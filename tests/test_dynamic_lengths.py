@@ -252,6 +252,7 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
             # where the first plan's code peaked above it, is made under a lower one, plan.budget_bytes)
             limit = parse_budget(0.7).resolve(m.plan.baseline_peak_bytes)
             assert m.plan.budget_bytes <= limit and m.planned.first_step_bytes <= limit
+            assert m.planned.inductor[0].on_fakes is None  # accepted: every call from now on is real
         else:
             tracker = LiveStorageTracker()
             with watch(tracker, code):
@@ -313,6 +314,34 @@ def test_inductor_range_replans_lower_while_its_code_at_the_bound_peaks_above_th
     assert ranges.first_call_range(None, SimpleNamespace(inductor=None), []) == "the forward's outputs"
     assert planned_under == [None, 890, 950]
     assert ranges.InductorRange(890).planning(pipeline.PlanSpec.make(0.5, "cpsat", {})).budget.bytes == 890
+
+
+def test_a_first_step_above_the_walk_at_its_own_sizes_gives_the_range_up_on_the_next_call(monkeypatch):
+    """The walk at the bound holds the budget only if the walk is right: the first step is checked
+    against the walk of the code at that step's own sizes (equal to the byte on the Llama above), and
+    where it measured more, the next call gives the range up and plans its shape lower by what was
+    missed (the per-shape backend's measured re-plan)."""
+    from types import SimpleNamespace
+
+    import remat_compiler.inductor.ranges as ranges
+    from remat_compiler.emitted import EmittedPeak
+    from remat_compiler.inductor.backend import InductorState
+
+    monkeypatch.setattr(ranges, "first_step_report", lambda entry, spec, margin: lambda measured, held: None)
+    walked = EmittedPeak()
+    walked.record("backward:buf3", 1000)
+    backend = ranges.InductorRange()
+    backend.compilers = SimpleNamespace(first_peak=walked)
+    entry = SimpleNamespace(inductor=InductorState(), planned=SimpleNamespace(plan=SimpleNamespace(peak_bytes=990)))
+    check = backend._first_step(entry, None)
+    check(1000, 0)  # as walked
+    check(1030, 30)  # more, but only by outputs the caller held (the per-shape report's business)
+    assert entry.inductor.over is None
+    with pytest.warns(RuntimeWarning, match="it missed 40 bytes"):
+        check(1040, 0)
+    assert entry.inductor.over == (990 - 40, 40, 990)
+    with pytest.raises(DynamicShapeError, match="measured above"):
+        ranges.first_call_range(None, entry, [])
 
 
 def test_the_walk_reads_symbolic_sizes_and_a_range_refuses_code_not_monotone_in_them():

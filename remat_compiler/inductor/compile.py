@@ -92,6 +92,7 @@ class StepFacts:
     limit_bytes: int | None     # the budget (None: no limit; the walk still gives the prediction)
     allocator: str = "exact"    # the passes.allocator model the plan's bytes are counted in
     at: Mapping[str, int] | None = None  # over symbolic sizes: the sizes the code is walked at
+    first_at: Mapping[str, int] | None = None  # and those of the first step, which is checked against its walk
 
 
 class InductorCompilers:
@@ -128,6 +129,7 @@ class InductorCompilers:
         self.fw: InductorGraph | None = None
         self.bw: InductorGraph | None = None
         self.peak: EmittedPeak | None = None
+        self.first_peak: EmittedPeak | None = None  # the walk at the first step's sizes (see StepFacts.first_at)
         self._bw_code: str | None = None
 
     def forward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
@@ -145,6 +147,9 @@ class InductorCompilers:
         self.peak = compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
                                   input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,
                                   allocator=facts.allocator, at=facts.at)
+        self.first_peak = self.peak if facts.first_at is None else compiled_peak(
+            self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs, input_updates=facts.input_updates,
+            hold_outputs=facts.hold_outputs, allocator=facts.allocator, at=facts.first_at)
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         if self._on_first_step is not None:
