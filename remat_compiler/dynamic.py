@@ -171,6 +171,15 @@ class ShapeRange:
                 return f"the traced graph holds under {guard.expr} only"
         return None
 
+    def require(self, what: str) -> None:
+        """Raise :class:`DynamicShapeError` unless the ShapeEnv's conditions (its guards and
+        replacements so far) hold at the bound and at the first call; ``what`` names what they
+        were added by."""
+        for where, values in (("the bound", self.at_bound()), ("the first call", self.first)):
+            why = self.why_not_at(values)
+            if why is not None:
+                raise DynamicShapeError(f"{what} does not hold at {where} ({values}): {why}")
+
     def at_bound(self) -> dict:
         """``symbol -> size`` at the bound: each free symbol at its bound, each one the trace tied to
         others or to a constant (a Linear's features) at what that gives."""
@@ -292,18 +301,12 @@ def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, spec, rng: ShapeRang
     from remat_compiler.pipeline import plan_joint
 
     bound = rng.at_bound()
-    for where, values in (("the bound", bound), ("the first call", rng.first)):
-        why = rng.why_not_at(values)
-        if why is not None:
-            raise DynamicShapeError(f"the step traced with symbolic sizes does not hold at {where} ({values}): {why}")
+    rng.require("the step traced with symbolic sizes")
     planned = plan_joint(at_bound(joint, rng, bound), num_fwd_outputs, spec, memo=memo)
     rng.budget_bytes = planned.plan.budget_bytes
     symbolic_emitted(planned.fw, planned.bw, joint, fake_mode)
     check_monotone(planned.fw, planned.bw)
-    for where, values in (("the bound", bound), ("the first call", rng.first)):
-        why = rng.why_not_at(values)
-        if why is not None:
-            raise DynamicShapeError(f"the code emitted for the plan does not hold at {where}: {why}")
+    rng.require("the code emitted for the plan")
     planned.plan.extras["shape_range"] = {"bounds": {str(s): b for s, b in bound.items()},
                                          "sites": {str(s): w for s, w in rng.sites.items()}}
     return planned

@@ -323,22 +323,21 @@ def test_a_first_step_above_the_walk_at_its_own_sizes_gives_the_range_up_on_the_
     missed (the per-shape backend's measured re-plan)."""
     from types import SimpleNamespace
 
+    import remat_compiler.inductor.backend as backend
     import remat_compiler.inductor.ranges as ranges
     from remat_compiler.emitted import EmittedPeak
-    from remat_compiler.inductor.backend import InductorState
 
-    monkeypatch.setattr(ranges, "first_step_report", lambda entry, spec, margin: lambda measured, held: None)
+    monkeypatch.setattr(backend, "resolve_budget", lambda cg, budget: 1100)  # the budget, in bytes
     walked = EmittedPeak()
     walked.record("backward:buf3", 1000)
-    backend = ranges.InductorRange()
-    backend.compilers = SimpleNamespace(first_peak=walked)
-    entry = SimpleNamespace(inductor=InductorState(), planned=SimpleNamespace(plan=SimpleNamespace(peak_bytes=990)))
-    check = backend._first_step(entry, None)
-    check(1000, 0)  # as walked
-    check(1030, 30)  # more, but only by outputs the caller held (the per-shape report's business)
+    entry = SimpleNamespace(inductor=backend.InductorState(),
+                            planned=SimpleNamespace(cg=None, plan=SimpleNamespace(peak_bytes=990)))
+    check = backend.first_step_report(entry, SimpleNamespace(budget=None), 0, walk_relied_on=True)
+    check(1000, 0, walked)  # as walked
+    check(1030, 30, walked)  # more, but only by outputs the caller held
     assert entry.inductor.over is None
     with pytest.warns(RuntimeWarning, match="it missed 40 bytes"):
-        check(1040, 0)
+        check(1040, 0, walked)
     assert entry.inductor.over == (990 - 40, 40, 990)
     with pytest.raises(DynamicShapeError, match="measured above"):
         ranges.first_call_range(None, entry, [])
@@ -351,12 +350,13 @@ def test_the_walk_reads_symbolic_sizes_and_a_range_refuses_code_not_monotone_in_
     from types import SimpleNamespace
 
     from remat_compiler.inductor import InductorGraph, UnreadableCodeError
+    from remat_compiler.inductor.compile import InductorCompilers
     from remat_compiler.inductor.ranges import InductorRange
     from remat_compiler.inductor.walk import _empty_args, _span_bytes, size_at, symbolic_sizes
 
     sizes, strides, dtype = _empty_args("empty_strided_cpu((s0, 64*(s1 // 2)), (64*(s1 // 2), 1), torch.float32)")
     assert (sizes, strides, dtype) == (["s0", "64*(s1 // 2)"], ["64*(s1 // 2)", "1"], "torch.float32")
-    assert _span_bytes(sizes, strides, dtype, {"s0": 3, "s1": 9}) == 3 * 256 * 4
+    assert _span_bytes(sizes, strides, 4, {"s0": 3, "s1": 9}) == 3 * 256 * 4
     assert size_at("max(1, s1)", {"s1": 5}) == 5 and size_at(7, None) == 7
     with pytest.raises(UnreadableCodeError, match="no sizes for"):
         size_at("s0 * s2", {"s0": 3})
@@ -368,13 +368,18 @@ def test_the_walk_reads_symbolic_sizes_and_a_range_refuses_code_not_monotone_in_
     growing, halving = code("buf0 = empty_strided_cpu((s0, 64), (64, 1), torch.float32)"), \
         code("buf0 = empty_strided_cpu((s0, 64*(s1 // 2)), (64*(s1 // 2), 1), torch.float32)")
     assert [str(e) for e in symbolic_sizes(growing)] == ["s0"]
-    rng = SimpleNamespace(at_bound=lambda: {}, first={}, why_not_at=lambda values: None)
+    rng = SimpleNamespace(require=lambda what: None)  # the ShapeEnv's conditions hold
+
+    def compiled(fw, bw) -> InductorCompilers:
+        compilers = InductorCompilers(lambda: None)
+        compilers.fw, compilers.bw, compilers.peak = fw, bw, "the walk"
+        return compilers
     entry = SimpleNamespace(planned=SimpleNamespace())
     backend = InductorRange()
-    backend.compilers = SimpleNamespace(fw=growing, bw=growing, peak="the walk")
+    backend.compilers = compiled(growing, growing)
     backend.accept(entry, rng)
     assert entry.planned.backend == "inductor" and entry.planned.compiled == "the walk"
-    backend.compilers = SimpleNamespace(fw=growing, bw=halving, peak="the walk")
+    backend.compilers = compiled(growing, halving)
     with pytest.raises(DynamicShapeError, match="not provably non-decreasing"):
         backend.accept(SimpleNamespace(planned=SimpleNamespace()), rng)
 

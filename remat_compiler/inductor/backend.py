@@ -17,6 +17,7 @@ import torch
 
 import remat_compiler.inductor as inductor
 from remat_compiler.budget import Budget, parse_budget
+from remat_compiler.emitted import EmittedPeak
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.inductor.compile import InductorCompilers, StepFacts
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
@@ -146,9 +147,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         except UnreadableCodeError as exc:
             why = f"its generated code could not be read ({exc})"
             break
-        entry.planned.backend = "inductor"
-        entry.planned.compiled = compilers.peak
-        entry.planned.inductor = (compilers.fw, compilers.bw)
+        compilers.record(entry.planned)
         return out
     warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                   f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
@@ -177,37 +176,48 @@ def lowered(spec: PlanSpec, budget_bytes: float) -> PlanSpec:
     return dataclasses.replace(spec, budget=parse_budget(max(int(budget_bytes), 1)), plan=None, plan_cache=None)
 
 
-def first_step_report(entry, spec: PlanSpec, margin: int) -> Callable[[int, int], None]:
+def first_step_report(entry, spec: PlanSpec, margin: int, *, walk_relied_on: bool = False
+                      ) -> Callable[[int, int, EmittedPeak], None]:
     """What to do with the measured peak of the first step of this entry's Inductor code
-    (:class:`remat_compiler.inductor.FirstStepCheck`): record it and, above ``spec``'s budget, warn
-    and have the next call plan again under a budget lowered by the overshoot, with the walk of
-    the new code held below the budget by what this walk missed (``entry.inductor.over``). Under
-    torch.distributed it only warns: the ranks measure apart, and a re-plan on one rank alone would
-    part their plans. Where the caller held outputs through the backward that ``hold_outputs=False``
-    planned as freed (``held`` bytes), the warning says so and what to do."""
-    def report(measured: int, held: int) -> None:
+    (:class:`remat_compiler.inductor.FirstStepCheck`), given the walk of the code at that step's
+    sizes: record it and, above ``spec``'s budget, warn and have the next call plan again under a
+    budget lowered by the overshoot, with the walk of the new code held below the budget by what
+    this walk missed (``entry.inductor.over``). With ``walk_relied_on`` (a range of shapes, whose
+    other sizes the walk alone holds to the budget) a step within the budget that measured more than
+    the walk, less the outputs the caller held, is re-planned too, lower by what the walk missed.
+    Under torch.distributed it only warns: the ranks measure apart, and a re-plan on one rank alone
+    would part their plans. Where the caller held outputs through the backward that
+    ``hold_outputs=False`` planned as freed (``held`` bytes), the warning says so and what to do."""
+    def report(measured: int, held: int, walked: EmittedPeak) -> None:
         planned = entry.planned
         planned.first_step_bytes = measured
         limit = resolve_budget(planned.cg, spec.budget)
-        if limit is None or measured <= limit:
-            return
-        walked = planned.compiled
         missed = max(measured - walked.peak_bytes, 0)
-        said = (f"backend='inductor': the first step of Inductor's code for this plan measured "
-                f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
-                f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
-        if held:
-            said += (f". The caller still held {held} bytes of the step's outputs through its backward, "
-                     f"which hold_outputs=False plans as freed when the forward returns"
-                     f"{' (that is all the walk missed)' if missed <= held else ''}: keep only the loss "
-                     f"(loss = m(x, labels=y).loss; loss.backward()), or compile with hold_outputs=True so "
-                     f"that the plan counts them")
+        if limit is None or measured <= limit and not (walk_relied_on and missed > held):
+            return
+        if measured <= limit:  # within the budget, but the walk the other sizes rely on missed bytes
+            lower = missed = missed - held
+            said = (f"backend='inductor', max_seq_len: the first step of the range's code measured {measured} "
+                    f"bytes where the walk of its code at that step's sizes predicted {walked.peak_bytes} "
+                    f"(at {walked.peak_node}): it missed {lower} bytes, so its walk at the bound does not prove "
+                    f"the budget")
+        else:
+            lower = measured - limit
+            said = (f"backend='inductor': the first step of Inductor's code for this plan measured "
+                    f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
+                    f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
+            if held:
+                said += (f". The caller still held {held} bytes of the step's outputs through its backward, "
+                         f"which hold_outputs=False plans as freed when the forward returns"
+                         f"{' (that is all the walk missed)' if missed <= held else ''}: keep only the loss "
+                         f"(loss = m(x, labels=y).loss; loss.backward()), or compile with hold_outputs=True so "
+                         f"that the plan counts them")
         if distributed():
             warnings.warn(f"{said}. Under torch.distributed it is not re-planned on one rank: pass a "
-                          f"memory_budget lower by {measured - limit} bytes", RuntimeWarning, stacklevel=2)
+                          f"memory_budget lower by {lower} bytes", RuntimeWarning, stacklevel=2)
             return
         over_at = min(limit, planned.plan.peak_bytes)
-        entry.inductor.over = (over_at - (measured - limit), margin + missed, over_at)
+        entry.inductor.over = (over_at - lower, margin + missed, over_at)
         warnings.warn(f"{said}. The next call plans this step again under a budget lower by "
-                      f"{measured - limit} bytes", RuntimeWarning, stacklevel=2)
+                      f"{lower} bytes", RuntimeWarning, stacklevel=2)
     return report

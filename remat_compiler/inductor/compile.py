@@ -113,16 +113,17 @@ class InductorCompilers:
     facts : callable
         Returns the :class:`StepFacts` of the plan the partitioner just made.
     on_first_step : callable, optional
-        Called with the measured peak of the first step the accepted code runs, and the bytes of
-        its outputs the caller held against the plan's assumption (see :class:`FirstStepCheck`).
+        Called with the measured peak of the first step the accepted code runs, the bytes of its
+        outputs the caller held against the plan's assumption (see :class:`FirstStepCheck`), and
+        the walk of the code at that step's sizes (:attr:`first_peak`).
     on_fakes : bool
         The compiled forward runs the emitted graph itself where its inputs are FakeTensors
         (:attr:`InductorGraph.on_fakes`): a range of shapes compiles its code in the symbolic
         trace's one run on fakes, which Inductor's kernels cannot run.
     """
 
-    def __init__(self, facts: Callable[[], StepFacts], on_first_step: Callable[[int, int], None] | None = None,
-                 *, on_fakes: bool = False):
+    def __init__(self, facts: Callable[[], StepFacts],
+                 on_first_step: Callable[[int, int, EmittedPeak], None] | None = None, *, on_fakes: bool = False):
         self._facts = facts
         self._on_first_step = on_first_step
         self._on_fakes = on_fakes
@@ -144,21 +145,31 @@ class InductorCompilers:
             bw_gm = copy.deepcopy(facts.bw)
         self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
         self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True)
-        self.peak = compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
-                                  input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,
-                                  allocator=facts.allocator, at=facts.at)
-        self.first_peak = self.peak if facts.first_at is None else compiled_peak(
-            self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs, input_updates=facts.input_updates,
-            hold_outputs=facts.hold_outputs, allocator=facts.allocator, at=facts.first_at)
+        def walked(at):
+            return compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
+                                 input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,
+                                 allocator=facts.allocator, at=at)
+        self.peak = walked(facts.at)
+        self.first_peak = self.peak if facts.first_at is None else walked(facts.first_at)
         if facts.limit_bytes is not None and self.peak.peak_bytes > facts.limit_bytes:
             raise CompiledOverBudget(self.peak, facts.limit_bytes, facts.plan_peak_bytes)
         if self._on_first_step is not None:
             skip = set(held_positions(gm, facts.num_fwd_outputs, facts.input_updates, facts.hold_outputs))
             skip |= set(facts.input_updates)
             unheld = [i for i in range(facts.num_fwd_outputs) if i not in skip]
-            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._on_first_step, allocator=facts.allocator,
+            FirstStepCheck(self.fw, self.bw, facts.num_fwd_outputs, self._first_step, allocator=facts.allocator,
                            unheld=unheld)
         return self.fw
+
+    def record(self, planned) -> None:
+        """Record the accepted code on its :class:`~remat_compiler.pipeline.PlannedGraph`: the backend,
+        the walk of the code (at the bound, over a range of shapes) and the two compiled graphs."""
+        planned.backend = "inductor"
+        planned.compiled = self.peak
+        planned.inductor = (self.fw, self.bw)
+
+    def _first_step(self, measured: int, held: int) -> None:
+        self._on_first_step(measured, held, self.first_peak)  # the walk at that step's sizes beside it
 
     def backward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
         if self.bw is None or gm.code != self._bw_code:

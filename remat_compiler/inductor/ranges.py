@@ -21,7 +21,6 @@ each shape is then planned and compiled on its own, with the one-shape backend's
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 
@@ -96,31 +95,10 @@ class InductorRange:
         def facts():
             at, first = ({str(s): v for s, v in values.items()} for values in (rng.at_bound(), rng.first))
             return dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at, first_at=first)
-        compilers = self.compilers = InductorCompilers(facts, self._first_step(entry, spec), on_fakes=True)
+        report = first_step_report(entry, spec, 0, walk_relied_on=True)
+        compilers = self.compilers = InductorCompilers(facts, report, on_fakes=True)
         return aot_step(entry.step, partition, fw_compiler=compilers.forward, bw_compiler=compilers.backward,
                         decompositions=inductor.DECOMPOSITIONS)
-
-    def _first_step(self, entry, spec: PlanSpec):
-        """What to do with the first step's measure (:func:`first_step_report`, which warns and has the
-        next call re-plan above the budget), checked first against the walk of the code at that
-        step's own sizes: the walk at the bound is what holds the budget, so a walk found to miss
-        bytes on the first step proves nothing at the bound. Then the next call gives the range up
-        and plans its shape lower by what was missed, with a warning."""
-        report = first_step_report(entry, spec, 0)
-
-        def checked(measured: int, held: int) -> None:
-            report(measured, held)
-            walked = self.compilers.first_peak
-            missed = measured - held - walked.peak_bytes
-            if missed <= 0 or entry.inductor.over is not None or distributed():
-                return
-            over_at = min(walked.peak_bytes, entry.planned.plan.peak_bytes)
-            entry.inductor.over = (over_at - missed, missed, over_at)
-            warnings.warn(f"backend='inductor', max_seq_len: the first step of the range's code measured {measured} "
-                          f"bytes where the walk of its code at that step's sizes predicted {walked.peak_bytes} "
-                          f"(at {walked.peak_node}): it missed {missed} bytes, so its walk at the bound does not "
-                          f"prove the budget. The next call plans each shape on its own", RuntimeWarning, stacklevel=2)
-        return checked
 
     def accept(self, entry, rng: ShapeRange) -> None:
         """Record the code on the entry once its sizes are non-decreasing in each symbol and the
@@ -131,11 +109,6 @@ class InductorRange:
                 if not monotone(expr):
                     raise DynamicShapeError(f"Inductor's code allocates a buffer of size {expr}, not provably "
                                             f"non-decreasing in the length")
-        for where, values in (("the bound", rng.at_bound()), ("the first call", rng.first)):
-            why = rng.why_not_at(values)
-            if why is not None:
-                raise DynamicShapeError(f"Inductor's code for the plan does not hold at {where}: {why}")
+        rng.require("Inductor's code for the plan")
         fw.on_fakes = None  # compiled: the calls from now on are real ones
-        entry.planned.backend = "inductor"
-        entry.planned.compiled = self.compilers.peak
-        entry.planned.inductor = (fw, bw)
+        self.compilers.record(entry.planned)

@@ -17,7 +17,6 @@ import torch.fx as fx
 from remat_compiler.emitted import EmittedPeak, held_positions
 from remat_compiler.inductor.graph import InductorGraph, UnreadableCodeError
 from remat_compiler.passes.allocator import allocator_named
-from remat_compiler.passes.storage import strided_span_bytes
 
 __all__ = ["Storages", "walk_graph", "compiled_peak", "call_body", "size_at", "symbolic_sizes"]
 
@@ -109,12 +108,18 @@ def _empty_args(expr: str) -> tuple[list[str], list[str], str] | None:
     return _split_top(args[0][1:-1]), _split_top(args[1][1:-1]), dtype
 
 
-def _span_bytes(sizes: list[str], strides: list[str], dtype: str, at: Mapping[str, int] | None = None) -> int:
+def _itemsize(dtype: str) -> int:
+    """The element size of a dtype as Inductor's code names it (``torch.float32``)."""
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize
+
+
+def _span_bytes(sizes, strides, itemsize: int, at: Mapping[str, int] | None = None) -> int:
+    """Bytes of the smallest storage holding these sizes and strides (each as :func:`size_at` reads
+    it), as :func:`~remat_compiler.passes.storage.strided_span_bytes` counts a tensor's."""
     size = [size_at(x, at) for x in sizes]
     stride = [size_at(x, at) for x in strides]
     if any(s == 0 for s in size):
         return 0
-    itemsize = getattr(torch, dtype.removeprefix("torch.")).itemsize
     return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * itemsize
 
 
@@ -218,7 +223,8 @@ def walk_graph(graph: InductorGraph, tag: str, mem: Storages, bound: list[int | 
             elif a and a.group(1) in frame:
                 bind(name, frame[a.group(1)])  # the same storage under another name (or a view)
             elif (empty := _empty_args(expr)) is not None:
-                bind(name, mem.new(_span_bytes(*empty, at)))
+                sizes, strides, dtype = empty
+                bind(name, mem.new(_span_bytes(sizes, strides, _itemsize(dtype), at)))
             elif name in graph.buffer_bytes:
                 nbytes = _buffer_bytes(graph, name, tag, at)
                 bind(name, mem.new(nbytes))
@@ -256,14 +262,6 @@ def symbolic_sizes(graph: InductorGraph) -> list:
     return exprs
 
 
-def _value_bytes(val: torch.Tensor, at: Mapping[str, int] | None) -> int:
-    """:func:`strided_span_bytes` of a value whose sizes may be symbolic, at the sizes ``at``."""
-    if not any(isinstance(x, torch.SymInt) for x in (*val.shape, *val.stride())):
-        return strided_span_bytes(val)
-    size, stride = [size_at(x, at) for x in val.shape], [size_at(x, at) for x in val.stride()]
-    if 0 in size:
-        return 0
-    return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * val.element_size()
 
 
 def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *,
@@ -307,7 +305,8 @@ def compiled_peak(fw: InductorGraph, bw: InductorGraph, fw_gm: fx.GraphModule, b
     bound = list(saved)  # each keeps the reference the forward's return took
     for p in tangents:
         val = p.meta.get("val")
-        sid = mem.new(_value_bytes(val, at)) if isinstance(val, torch.Tensor) else _RESIDENT
+        sid = mem.new(_span_bytes(val.shape, val.stride(), val.element_size(), at)) \
+            if isinstance(val, torch.Tensor) else _RESIDENT
         mem.acquire(sid)
         bound.append(sid)
     scalar = [sid for p, sid in zip(tangents, bound[len(saved):])
