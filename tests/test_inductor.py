@@ -530,3 +530,33 @@ def test_an_unknown_backend_is_refused_naming_the_choices():
     model, _, _ = _mlp_case()
     with pytest.raises(ValueError, match="'eager'.*'inductor'"):
         remat_compiler.compile(model, memory_budget=0.5, backend="tensorrt")
+
+
+def test_the_cpu_probe_runs_at_the_lowest_priority_and_is_done_before_the_first_compile():
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    from remat_compiler.inductor import warm
+
+    seen = {}
+
+    def probe_thread():
+        warm._lowest_priority()
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        # a compiler it starts inherits the priority (on Linux, niceness is the thread's)
+        seen["child"] = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0))"],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+
+    t = threading.Thread(target=probe_thread)
+    t.start()
+    t.join()
+    assert seen == {"thread": 19, "child": "19"}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # the caller's own is untouched
+    warm.start()
+    warm.ready()
+    assert not warm._thread.is_alive()
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1  # the pick the compile reads is made

@@ -26,6 +26,7 @@ missed is then reported, and re-planned for, rather than run on silently.
 
 The package, a room per concern (each imports only those above it in this list):
 
+- :mod:`.warm`: Inductor's probe of the CPU, begun when a first call begins, beside its trace and solve;
 - :mod:`.graph`: one compiled graph and its generated source (:class:`InductorGraph`), the errors;
 - :mod:`.walk`: the generated wrappers read line by line (:func:`compiled_peak`);
 - :mod:`.first_step`: the first step measured against the walk (:class:`FirstStepCheck`, :func:`watch`);

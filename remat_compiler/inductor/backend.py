@@ -20,6 +20,7 @@ from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.inductor.compile import InductorCompilers, StepFacts
+from remat_compiler.inductor import warm
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
 from remat_compiler.pipeline import PlannedGraph, PlanSpec
 from remat_compiler.runtime import distributed
@@ -120,6 +121,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     -------
     The forward's outputs.
     """
+    warm.start()  # Inductor's probe of the CPU, beside the trace and the solve
     state = entry.inductor = InductorState.after(entry.inductor)
     planning, why = fusing(spec), None
     over_at = None  # the lowest planning budget whose Inductor code peaked above the budget

@@ -15,6 +15,7 @@ import torch.fx as fx
 from remat_compiler.emitted import EmittedPeak, held_positions
 from remat_compiler.inductor.first_step import FirstStepCheck
 from remat_compiler.inductor.graph import CompiledOverBudget, InductorGraph, UnreadableCodeError
+from remat_compiler.inductor.warm import ready
 from remat_compiler.inductor.walk import compiled_peak
 from remat_compiler.passes.shared_values import store_shared_values
 
@@ -69,6 +70,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     visible = range(len(returned)) if backward else range(num_user_outputs)
     out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
     buffers: dict[str, int] = {}
+    ready()  # the CPU's probe, begun by the first call (warm.start)
     with _recording_buffers(buffers), config.patch(fx_graph_cache=False):
         if backward:
             fn = compile_fx_inner(gm, example_inputs, is_backward=True)

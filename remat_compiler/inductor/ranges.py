@@ -29,6 +29,7 @@ from remat_compiler.dynamic import DynamicShapeError, ShapeRange, monotone, trac
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.inductor.backend import (INDUCTOR_REPLANS, InductorState, first_step_report, fusing,
                                              inductor_facts, lowered, replan_after)
+from remat_compiler.inductor import warm
 from remat_compiler.inductor.compile import InductorCompilers
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
 from remat_compiler.inductor.walk import symbolic_sizes
@@ -61,6 +62,7 @@ def first_call_range(module, entry, inputs: list[torch.Tensor]):
     if entry.inductor is not None and entry.inductor.over is not None:
         raise DynamicShapeError("the first step of Inductor's code for the range's plan measured above the "
                                 "budget")
+    warm.start()  # Inductor's probe of the CPU, beside the trace and the solve
     entry.inductor = entry.inductor or InductorState()
     planning_bytes, over_at, why = None, None, None
     for _ in range(INDUCTOR_REPLANS + 1):
