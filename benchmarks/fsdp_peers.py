@@ -30,7 +30,9 @@ The ``torch.compile`` peer runs its compiled code only where no dispatch mode is
 and ours beside it, are measured by :class:`~remat_compiler.memory.AllocatorPeak` (the allocator's
 profiler events, which see FSDP2's resizes and kernels' temporaries too), and its FLOPs (inside
 Inductor's kernels, which the flop counter does not see) are not given; its row says how many
-graphs Dynamo compiled.
+graphs Dynamo compiled. What each peer recomputes is given for every row: its counted FLOPs less
+FSDP2 eager's, the ``torch.compile`` peer's counted on a twin that runs its partitioner's graphs op
+by op (:func:`_recomputed_by_peer`); ours is the plan's count.
 
     python -m benchmarks.fsdp_peers                              # all three workloads, ~10 minutes
     python -m benchmarks.fsdp_peers --workloads llama --json out.json
@@ -122,7 +124,7 @@ def _token_ids(workload: str, rank: int) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(rank))
 
 
-def _model(peer: str, workload: str = "llama"):
+def _model(peer: str, workload: str = "llama", compile_backend="inductor"):
     from torch.distributed.fsdp import fully_shard
 
     model, blocks = _build(workload)
@@ -131,7 +133,7 @@ def _model(peer: str, workload: str = "llama"):
     layers = model.get_submodule(blocks)
     if peer == PEERS[3]:  # torchtitan: each block compiled, then sharded
         for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer)
+            layers[i] = torch.compile(layer, backend=compile_backend)
     reshard = peer != PEERS[1]
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
@@ -194,6 +196,50 @@ def _flops(step) -> int:
     with FlopCounterMode(display=False) as fc:
         step()
     return fc.get_total_flops()
+
+
+def _counting_backend(total: list[int]):
+    """A ``torch.compile`` backend that plans as Inductor does (its decompositions, its partitioner with
+    ``activation_memory_budget``) and runs the partitioned graphs op by op, adding each run's counted
+    FLOPs to ``total[0]`` (a dispatch mode around a compiled call would not see inside it)."""
+    from functools import partial
+
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def compiler(gm, _example_inputs):
+        def run(*args):
+            with FlopCounterMode(display=False) as fc:
+                out = gm(*args)
+            total[0] += fc.get_total_flops()
+            return out
+        return make_boxed_func(run)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=select_decomp_table(),
+                        partition_fn=partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+
+def _recomputed_by_peer(peer: str, workload: str, ids, peer_flops: int | None) -> int:
+    """The FLOPs ``peer`` recomputes in a step: its counted FLOPs less FSDP2 eager's (``peer_flops``,
+    counted as it ran). The ``torch.compile`` peer's run inside Inductor's kernels, where the flop
+    counter sees nothing: its blocks' graphs are counted on a twin that plans as Inductor does and
+    runs the graphs op by op (:func:`_counting_backend`), less the same twin's at
+    ``activation_memory_budget=1.0`` (no recompute asked). Dynamo's caches are reset before each twin
+    (the budget is not one of its guards): run after the peer's own timed steps."""
+    if peer != PEERS[3]:
+        return peer_flops - _flops(_step(_model(PEERS[0], workload), ids))
+
+    def twin_flops(budget: float) -> int:
+        torch._dynamo.reset()
+        total = [0]
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            step = _step(_model(peer, workload, compile_backend=_counting_backend(total)), ids)
+            step()  # compiles
+            total[0] = 0
+            step()
+        return total[0]
+    return twin_flops(COMPILE_MEMORY_BUDGET) - twin_flops(1.0)
 
 
 def _max_over_ranks(x: int) -> int:
@@ -260,12 +306,14 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
         p, t = _measure(cstep, meter)
         times["compiled"].append(t)
         cpeaks.append(p)
+    compiled_flops = _flops(cstep) if backend == "eager" else None
+    peer_recomputed = _recomputed_by_peer(peer, workload, ids, peer_flops)
     return {"workload": workload, "peer": peer, "rank": rank, "peer_peak": peak, "budget": budget,
             "meter": meter.__name__, "peer_graphs": graphs,
             "predicted": plan.peak_bytes, "measured": max(cpeaks),
             "peer_step_s": statistics.median(times["peer"]),
             "compiled_step_s": statistics.median(times["compiled"]),
-            "peer_flops": peer_flops, "compiled_flops": _flops(cstep) if backend == "eager" else None,
+            "peer_flops": peer_flops, "compiled_flops": compiled_flops, "peer_recompute_flops": peer_recomputed,
             "backend": backend,
             "plan_flops": plan.baseline_flops + plan.recompute_flops,
             "recompute_flops": plan.recompute_flops, "regather_bytes": plan.recompute_comm_bytes,
@@ -275,18 +323,21 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
 def format_table(rows: list[dict]) -> str:
     """The Markdown table of both ranks' rows."""
     lines = ["| workload | peer (FSDP2) | rank | peer's peak | budget (max over ranks) | remat_compiler predicted "
-             "| measured | FLOPs, peer / ours | re-gathered bytes (ours) | step time, ours / peer | units kept / re-gathered |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| measured | FLOPs, peer / ours | recomputed FLOPs, peer / ours | re-gathered bytes (ours) | step time, ours / peer "
+             "| units kept / re-gathered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['peer']} | {r['rank']} | does not run: {r['error']} |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['workload']} | {r['peer']} | {r['rank']} | does not run: {r['error']} |  |  |  |  |  |  |  |  |")
             continue
         kept = sum(c == "kept" for c in r["units"].values())
         flops = (f"{r['peer_flops'] / 1e9:.3f} G / " if r["peer_flops"] is not None else "not counted / ") + \
             (f"{r['compiled_flops'] / 1e9:.3f} G" if r.get("compiled_flops") is not None else "not counted")
+        recomputed = (f"{r['peer_recompute_flops'] / 1e9:.3f} G" if r.get("peer_recompute_flops") is not None
+                      else "not counted") + f" / {r['recompute_flops'] / 1e9:.3f} G"
         peer = r["peer"] + (f" ({r['peer_graphs']} graphs compiled)" if r.get("peer_graphs") else "")
         lines.append(f"| {r['workload']} | {peer} | {r['rank']} | {r['peer_peak']:,} | {r['budget']:,} | "
-                     f"{r['predicted']:,} | {r['measured']:,} | {flops} | {r['regather_bytes']:,} | "
+                     f"{r['predicted']:,} | {r['measured']:,} | {flops} | {recomputed} | {r['regather_bytes']:,} | "
                      f"{r['compiled_step_s'] / r['peer_step_s']:.2f} | {kept} / {len(r['units']) - kept} |")
     return "\n".join(lines)
 

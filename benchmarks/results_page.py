@@ -328,7 +328,10 @@ def _fsdp_section(data_dir: str) -> list[str]:
             "it,\nby the allocator's events), and remat_compiler compiles the same sharded model with the "
             "larger rank's peak as\nits budget. Step times: medians of interleaved rounds, one process a rank "
             "(indicative); FLOPs (the flop counter's,\nwhich sees none inside Inductor's kernels, with grouped "
-            "matmuls counted as the planner counts them: see docs/fsdp.md)\nand bytes are exact.", "",
+            "matmuls counted as the planner counts them: see docs/fsdp.md)\nand bytes are exact. Recomputed "
+            "FLOPs: a peer's counted FLOPs less FSDP2 eager's; the `torch.compile` peer's counted on a\ntwin "
+            "that plans as Inductor does and runs the graphs op by op (`fsdp_peers._recomputed_by_peer`); "
+            "ours, the plan's count.", "",
             fsdp_peers.format_table(doc["rows"]), *_fsdp_inductor_rows(data_dir)]
 
 
@@ -343,7 +346,8 @@ def _fsdp_inductor_rows(data_dir: str) -> list[str]:
             f"Command: `python -m benchmarks.fsdp_peers --workloads {workloads} --peers {peers} --backend inductor "
             f"--json benchmarks/data/fsdp_peers_inductor.json`;\ncode: commit {doc['commit']}. Every row measured "
             "by the allocator's events (a dispatch-mode tracker sees none of Inductor's\nbuffers); our FLOPs are "
-            "not counted inside Inductor's kernels; \"predicted\" is the peak walked in the code Inductor wrote.",
+            "not counted inside Inductor's kernels (what we recompute is the plan's count); \"predicted\" is "
+            "the peak walked in the code Inductor wrote.",
             "", fsdp_peers.format_table(doc["rows"])]
 
 
