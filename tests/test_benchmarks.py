@@ -235,20 +235,21 @@ def test_keep_freed_memory_stops_the_page_faults_rss_env_adds_to_every_step():
 
 def test_fsdp_peers_table_gives_each_ratio_and_says_which_peer_does_not_run():
     """The sharded peers' table: FLOPs of both (or "not counted" where the flop counter cannot see the
-    peer's kernels), the step-time ratio ours / peer, the units kept and re-gathered; a peer that
-    failed is a row saying so, not a missing row."""
+    peer's kernels), what each recomputes, the step-time ratio ours / peer, the units kept and
+    re-gathered; a peer that failed is a row saying so, not a missing row."""
     from benchmarks.fsdp_peers import PEERS, format_table
 
     row = {"workload": "gpt2", "peer": PEERS[0], "rank": 0, "peer_peak": 2_000_000, "budget": 2_000_100,
            "predicted": 1_900_000, "measured": 1_900_000, "peer_flops": 3.0e9, "compiled_flops": 2.5e9,
            "regather_bytes": 4096, "peer_step_s": 0.2, "compiled_step_s": 0.19,
+           "peer_recompute_flops": 1.0e9, "recompute_flops": 0.5e9,
            "units": {"(root)": "kept", "transformer.h.0": "re-gathered"}}
-    compiled_peer = {**row, "peer": PEERS[3], "peer_flops": None}
+    compiled_peer = {**row, "peer": PEERS[3], "peer_flops": None, "peer_recompute_flops": None}
     failed = {"workload": "mixtral", "peer": PEERS[3], "rank": 1, "error": "Unsupported: data-dependent op"}
     lines = format_table([row, compiled_peer, failed]).splitlines()
     assert len(lines) == 5
-    assert "| 3.000 G / 2.500 G | 4,096 | 0.95 | 1 / 1 |" in lines[2]
-    assert "| not counted / 2.500 G |" in lines[3]
+    assert "| 3.000 G / 2.500 G | 1.000 G / 0.500 G | 4,096 | 0.95 | 1 / 1 |" in lines[2]
+    assert "| not counted / 2.500 G | not counted / 0.500 G |" in lines[3]
     assert "does not run: Unsupported: data-dependent op" in lines[4] and lines[4].count("|") == lines[0].count("|")
 
 
