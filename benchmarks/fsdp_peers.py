@@ -220,6 +220,10 @@ def _counting_backend(total: list[int]):
                         partition_fn=partial(min_cut_rematerialization_partition, compiler="inductor"))
 
 
+#: FSDP2 eager's counted FLOPs a step, by workload (this rank's ids): counted once per process.
+_EAGER_FLOPS: dict[str, int] = {}
+
+
 def _recomputed_by_peer(peer: str, workload: str, ids, peer_flops: int | None) -> int:
     """The FLOPs ``peer`` recomputes in a step: its counted FLOPs less FSDP2 eager's (``peer_flops``,
     counted as it ran). The ``torch.compile`` peer's run inside Inductor's kernels, where the flop
@@ -228,7 +232,11 @@ def _recomputed_by_peer(peer: str, workload: str, ids, peer_flops: int | None) -
     ``activation_memory_budget=1.0`` (no recompute asked). Dynamo's caches are reset before each twin
     (the budget is not one of its guards): run after the peer's own timed steps."""
     if peer != PEERS[3]:
-        return peer_flops - _flops(_step(_model(PEERS[0], workload), ids))
+        if peer == PEERS[0]:  # FSDP2 eager itself: counted as it ran
+            _EAGER_FLOPS[workload] = peer_flops
+        if workload not in _EAGER_FLOPS:
+            _EAGER_FLOPS[workload] = _flops(_step(_model(PEERS[0], workload), ids))
+        return peer_flops - _EAGER_FLOPS[workload]
 
     def twin_flops(budget: float) -> int:
         torch._dynamo.reset()

@@ -197,6 +197,12 @@ class Job:
         :attr:`tolerance` of the step's estimated cost."""
         return tolerance_units(self.cg, self.objective, self.tolerance) // cost_gcd
 
+    def meets(self, cost: float, bound: float, cost_gcd: int = 1) -> bool:
+        """Whether a plan of ``cost`` is as good as proven by ``bound`` (both in a model's units, costs
+        over ``cost_gcd``): within the search's tolerance (:meth:`gap_units`) or a few tie-break units,
+        so that no search from it could improve it meaningfully."""
+        return cost <= bound + max(1.0, 1e-5 * cost, self.gap_units(cost_gcd))
+
     def complies(self, saved) -> bool:
         """Whether a saved set honours the policy's forced and forbidden saves."""
         saved = set(saved)

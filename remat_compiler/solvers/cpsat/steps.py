@@ -117,7 +117,7 @@ def search(job: Job, rm: RematModel, start: Seed, relaxed: float | None, progres
     g = rm.cost_gcd
     if start.decomposed and relaxed is not None:
         cost = job.cost(start.saved) // g
-        if cost <= relaxed + max(1.0, 1e-5 * cost, job.gap_units(g)):
+        if job.meets(cost, relaxed, g):
             found = _known(job, start.saved, relaxed * g, optimal=relaxed >= cost)
             if progress is not None:
                 progress.report(found.cost // g, relaxed)

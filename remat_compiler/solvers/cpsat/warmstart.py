@@ -26,7 +26,7 @@ from remat_compiler.solvers.cpsat.model import build_model, hint
 from remat_compiler.solvers.cpsat.run import Job
 from remat_compiler.solvers.greedy import best_heuristic_set
 
-__all__ = ["Seed", "seed", "meets_bound", "SHARES"]
+__all__ = ["Seed", "seed", "SHARES"]
 
 #: The shares of the time limit T the warm start takes (each also bounded by what is left).
 SHARES = {
@@ -66,26 +66,22 @@ def seed(job: Job, *, heuristics: bool, block_reuse: bool, block_reuse_share: fl
         return Seed()
     policy = bool(job.forced_saved or job.forbidden_saved)
     blocks = block_reuse and not policy and not job.deterministic
-    found = Seed()
-    # under the runtime objective the block decomposition runs whatever the heuristics find, so it
-    # runs first: where its plan meets its bound, no heuristic plan can be cheaper by more than the
-    # search's tolerance, and the heuristics are skipped (0.75 s of GPT-2's 7 s solve, 2.2 s under
-    # Inductor's decompositions)
-    met = False
-    if blocks and job.objective != "flops":
-        found = decomposition(job, job.deadline.slice(cap=SHARES["decomposition"] * T))
-        met = found.decomposed and meets_bound(job, found)
-    heuristic = free = None
-    if not met:
+    # identical blocks: the decomposition's bound, and its plan (often optimal); not in deterministic
+    # mode (its solves run against the wall clock). Under the runtime objective it runs whatever the
+    # heuristics find, so it runs first, and where its plan meets its bound no heuristic plan can be
+    # cheaper by more than the search's tolerance: the heuristics are skipped (0.75 s of GPT-2's 7 s
+    # solve, 2.2 s under Inductor's decompositions). Under "flops" it runs after them, and not when
+    # the heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already).
+    first = blocks and job.objective != "flops"
+    found = _decomposed(job) if first else Seed()
+    heuristic, free = None, False
+    if not (found.decomposed and job.meets(job.cost(found.saved), found.bound)):
         heuristic, _ = best_heuristic_set(cg, budget, job.cost_of,
                                           deadline=job.deadline.part(SHARES["heuristics"] * T))
         free = (job.objective == "flops" and heuristic is not None
                 and flop_gap(cg, job.recomputed(heuristic), 0) == 0)
-    if blocks and not free and job.objective == "flops":
-        # identical blocks: the decomposition's bound, and its plan (often optimal); not when the
-        # heuristic's plan recomputes no counted FLOPs (it is FLOP-optimal already), nor in
-        # deterministic mode (its solves run against the wall clock)
-        found = decomposition(job, job.deadline.slice(cap=SHARES["decomposition"] * T))
+        if blocks and not first and not free:
+            found = _decomposed(job)
     composed = tied = None
     # a FLOP-free heuristic plan is FLOP-optimal: the block phases could only lower the tie-break,
     # which the search does from it (at Mistral-7B's size they took 18 s of a 60 s limit for nothing)
@@ -100,11 +96,9 @@ def seed(job: Job, *, heuristics: bool, block_reuse: bool, block_reuse_share: fl
     return found
 
 
-def meets_bound(job: Job, found: Seed) -> bool:
-    """Whether the decomposition's plan costs at most its bound plus the search's tolerance (or a
-    few tie-break units): what :func:`~.steps.search` accepts without searching."""
-    cost = job.cost(found.saved)
-    return found.bound is not None and cost <= found.bound + max(1.0, 1e-5 * cost, job.gap_units())
+def _decomposed(job: Job) -> Seed:
+    """The decomposition on its share of the job's clock."""
+    return decomposition(job, job.deadline.slice(cap=SHARES["decomposition"] * job.deadline.seconds))
 
 
 def _room(job: Job) -> float:
