@@ -310,3 +310,39 @@ def test_the_staircase_over_h_in_two_halves_is_the_one_staircase(branch_stack, g
     assert len(one) >= 4  # enough points that both halves have some
     assert [(o.H, o.W, o.cost, o.saved) for o in levels] == [(o.H, o.W, o.cost, o.saved) for o in one]
     assert w_min == _least(bm, bm.W, Deadline(60))
+
+
+
+@pytest.mark.parametrize("d,h,batch", [(16, 64, 512), (32, 16, 256)])
+def test_plans_solved_for_the_choice_stop_the_refinement_within_the_callers_tolerance(d, h, batch):
+    """With ``accept``, the bound's choice is tried with its stand-ins replaced by plans solved for it
+    alone: where their cost is accepted, refining stops there. At every budget a plan reaches the
+    bound given is still below the cheapest plan that fits (all 2^13 saved sets simulated), the
+    plan's recomputation, simulated, costs what its block plans claimed (within the tolerance of the
+    bound; the composition is simulated by the caller, which chooses again where it does not fit),
+    and the menu is refined less than without ``accept``."""
+    cg = _stack(d, h, batch)
+    cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731
+    plans = []
+    for k in range(len(cg.candidates) + 1):
+        for subset in itertools.combinations(cg.candidates, k):
+            schedule = build_schedule(cg, subset)
+            plans.append((simulate(cg, schedule).peak_bytes, sum(cost_of(n) for n in schedule.recomputed)))
+    tol = 0.02 * sum(cost_of(n) for n in cg.fw_order)  # a share of the forward, as compile's tolerance
+    accepted = fewer = 0
+    for budget in sorted({peak for peak, _ in plans}):
+        best = min(c for peak, c in plans if peak <= budget)
+        quick = block_bound(cg, budget, cost_of, deadline=Deadline(60), accept=lambda c, b: c <= b + tol)
+        assert quick.bound <= best, budget
+        if quick.exact or quick.saved is None:
+            continue
+        accepted += 1
+        schedule = build_schedule(cg, quick.saved)
+        cost = sum(cost_of(n) for n in schedule.recomputed)
+        assert cost == quick.saved_cost <= quick.bound + tol, budget
+        if simulate(cg, schedule).peak_bytes <= budget:  # (else the caller chooses again, lower)
+            assert best <= cost, budget
+        full = block_bound(cg, budget, cost_of, deadline=Deadline(60))  # refined to the end
+        assert quick.solves <= full.solves, budget
+        fewer += quick.solves < full.solves
+    assert accepted >= 1 and fewer >= 1

@@ -153,7 +153,7 @@ def decomposition(job: Job, seconds: float) -> Seed:
     The bound stays the budget's own."""
     clock = job.deadline.part(seconds)
     found = block_bound(job.cg, job.budget_bytes, job.cost_of, deadline=clock.part(SHARES["bound"] * seconds),
-                        menus=job.memo.menus, cost_key=job.objective)
+                        menus=job.memo.menus, cost_key=job.objective, accept=job.meets)
     if found is None:
         return Seed()
     bound, target = found.bound, job.budget_bytes
@@ -170,7 +170,7 @@ def decomposition(job: Job, seconds: float) -> Seed:
             break
         target -= over
         found = block_bound(job.cg, target, job.cost_of, deadline=clock.part(SHARES["bound"] * clock.left()),
-                            menus=job.memo.menus, cost_key=job.objective)
+                            menus=job.memo.menus, cost_key=job.objective, accept=job.meets)
     return Seed(bound=bound)
 
 

@@ -61,6 +61,7 @@ from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph, representative_block
 from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
 from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame
+from remat_compiler.solvers.cpsat.blockbound.direct import direct_plans
 from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
 from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint
 
@@ -72,11 +73,13 @@ class BlockBound:
     """A lower bound on the cost of every plan of the model that fits (``inf``: none fits), and a
     choice of block plans composed into a saved set (everything outside the blocks saved; to be
     simulated). With ``exact`` the choice is the bound's own (its blocks cost ``bound``); without,
-    the time ran out before the bound's choice was made of found plans, and ``saved`` is the best
-    choice of the plans found by then (its blocks cost more than ``bound``)."""
+    either the caller's ``accept`` took plans solved for a choice that still had stand-ins, or the
+    time ran out before the bound's choice was made of found plans and ``saved`` is the best choice
+    of the plans found by then (either way its blocks may cost more than ``bound``)."""
 
     bound: float
     saved: set[str] | None = None
+    saved_cost: float | None = None  # what the blocks of ``saved`` recompute, as their block plans claim
     exact: bool = True
     block_candidates: set[str] = field(default_factory=set)
     menu_size: int = 0
@@ -85,7 +88,7 @@ class BlockBound:
 
 
 def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline, menus: dict | None = None,
-                cost_key=None, min_blocks: int = 3, w_granule: int | None = None) -> BlockBound | None:
+                cost_key=None, min_blocks: int = 3, w_granule: int | None = None, accept=None) -> BlockBound | None:
     """A lower bound on the summed ``cost_of`` of every plan of the CP-SAT model that fits
     ``budget_bytes``, and its choice composed into a saved set (see the module docstring).
 
@@ -99,7 +102,10 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     not depend on the budget: it is kept in ``menus`` (a :class:`~.memo.SolveMemo`'s), by graph,
     ``cost_key`` (the objective) and the block's costs, when both are given. ``w_granule``: the
     bytes of the menu's first bands of W (default :data:`W_GRANULES` of H's; 1: no bands, every
-    step of the staircases solved), which change the work, not the bound.
+    step of the staircases solved), which change the work, not the bound. ``accept(cost, bound)``:
+    where given, before refining a choice its stand-ins are replaced by plans solved for it alone
+    (:mod:`.direct`); if their blocks' cost is accepted against the bound (the caller's tolerance),
+    those plans are the answer (``exact`` False) and the bound stays the stand-ins'.
     """
     t_start = time.perf_counter()
     lay = _Layout(cg)
@@ -131,6 +137,13 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         todo = {stand[i] for i in choice if stand[i] is not None}
         if not todo:
             break
+        if accept is not None:
+            points = direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline)
+            if points is not None and accept(sum(o.cost for o in points), cost):
+                return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))),
+                                  saved_cost=sum(o.cost for o in points),
+                                  block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
+                                  time_s=time.perf_counter() - t_start, solves=menu.solves)
         # the next choice often moves to a neighbouring band: refine those along (both cores busy)
         todo |= {b + d for b in todo if not isinstance(b, tuple) for d in (-1, 1)
                  if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
@@ -142,9 +155,10 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
             plans = [o for o in options if o.saved is not None]
             found = _compose(plans, frame, budget_bytes)
             return BlockBound(bound=cost, saved=None if found is None else _composed(cg, lay, plans, found[1]),
+                              saved_cost=None if found is None else found[0],
                               block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                               time_s=time.perf_counter() - t_start, solves=menu.solves)
-    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice),
+    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice), saved_cost=cost,
                       block_candidates=_block_candidates(cg, lay), menu_size=len(options),
                       time_s=time.perf_counter() - t_start, solves=menu.solves)
 

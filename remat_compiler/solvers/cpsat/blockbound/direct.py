@@ -1,0 +1,95 @@
+"""A plan for the bound's choice without refining its stand-ins: each block that chose a stand-in gets
+the cheapest block plan of that band under the window peak the choice leaves it (:func:`direct_plans`).
+
+The bound's choice is a list of menu points, one per block; a stand-in point stands for a band's
+plans (H up to the band's upper edge) with optimistic measures. Refining its band solves the whole
+staircase of cost over W there (38 solves, 5.3 of the 13.5 s of GPT-2's solve under Inductor's
+decompositions); the choice needs one plan of it: the least cost with ``H <= hi`` and
+``W <= budget - off_m - S_m``, where ``S_m`` is the held bytes the choice puts below block ``m``.
+The plans so found may hold more than their stand-in's label, so the composition is checked again on
+their own measures (:func:`fits`). Their cost is never below the bound (the bound is the least over
+the menu, whose stand-ins dominate these plans), so where it meets the bound within the caller's
+tolerance the refinement can stop: the bound stays the stand-ins' (a valid one) and the plan is within
+tolerance of it.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from ortools.sat.python import cp_model
+
+from remat_compiler.clock import Deadline
+from remat_compiler.solvers.cpsat.blockbound.compose import _Frame
+from remat_compiler.solvers.cpsat.blockbound.menu import _clone_var, _Menu, _MenuPoint
+from remat_compiler.solvers.cpsat.run import new_solver, run_solver
+
+__all__ = ["direct_plans", "fits"]
+
+
+def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: list[int], frame: _Frame,
+                 budget: int, deadline: Deadline, workers: int = 2) -> list[_MenuPoint] | None:
+    """One block plan per block for ``choice`` (option indices into ``options``; ``stand[i]`` the band
+    or ``(band, point)`` option ``i`` stands for, None for a found plan): found plans kept, each
+    stand-in replaced by the cheapest plan of its band holding at most its label and a share of the
+    head's spare bytes, under the window peak the choice then leaves (ties to the least H). None if a block has no such plan, a solve is not proven by ``deadline``,
+    or the plans do not fit together (:func:`fits`)."""
+    unit = menu.bm.unit
+    # a stand-in's H is its band's least; the plans found may hold more: each gets an equal share of
+    # what the head's window leaves, and the windows above are capped as if every share were taken
+    labelled = sum(options[i].H for i in choice)
+    spare = max(0, budget - frame.head - labelled) // max(1, sum(stand[i] is not None for i in choice))
+    held, wanted = 0, {}
+    for m, i in enumerate(choice):
+        item, h = stand[i], options[i].H
+        if item is not None:
+            b = item if not isinstance(item, tuple) else item[0]
+            h_cap = min(menu.edges[b + 1], h + spare) // unit
+            w_cap = (budget - frame.offsets[m] - held) // unit
+            wanted.setdefault((h_cap, w_cap), []).append(m)
+            h = h_cap * unit
+        held += h
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        found = dict(zip(wanted, pool.map(lambda caps: _cheapest(menu, *caps, deadline), wanted)))
+    if any(p is None for p in found.values()):
+        return None
+    points = [options[i] for i in choice]
+    for caps, blocks in wanted.items():
+        for m in blocks:
+            points[m] = found[caps]
+    return points if fits(points, frame, budget) else None
+
+
+def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
+    """Whether these block plans (one per block, forward order) meet the composition's constraints:
+    each block's window and forward, and the head's window, under ``budget`` with the held bytes of
+    the blocks below (:func:`~.compose._compose`)."""
+    held = 0
+    for o, off, fw in zip(points, frame.offsets, frame.forward):
+        if held + fw > budget or o.W + off + held > budget:
+            return False
+        held += o.H
+    return held + frame.head <= budget
+
+
+def _cheapest(menu: _Menu, h_cap: int, w_cap: int, deadline: Deadline) -> _MenuPoint | None:
+    """The block plan of least cost with ``H <= h_cap`` and ``W <= w_cap`` (model units), ties to the
+    least H: its measures in bytes; None if there is none or it is not proven by the deadline."""
+    bm = menu.bm
+    if w_cap < 0 or deadline.left() <= 0:
+        return None
+    m = bm.model.clone()
+    H, W = _clone_var(m, bm.H), _clone_var(m, bm.W)
+    m.add(H <= h_cap)
+    m.add(W <= w_cap)
+    m.minimize(_clone_var(m, bm.cost) * (h_cap + 1) + H)
+    solver = new_solver()
+    solver.parameters.num_workers = 1
+    solver.parameters.cp_model_probing_level = 0  # as the staircases' solves (menu._staircase)
+    solver.parameters.linearization_level = 0
+    solver.parameters.max_time_in_seconds = deadline.left()
+    if run_solver(solver, m) != cp_model.OPTIMAL:
+        return None
+    pos = {v: i for i, v in enumerate(bm.nodes)}
+    return _MenuPoint(H=solver.value(H) * bm.unit, W=solver.value(W) * bm.unit,
+                      cost=int(round(solver.objective_value)) // (h_cap + 1),
+                      saved=frozenset(pos[v] for v, var in bm.s.items() if solver.value(_clone_var(m, var))))
