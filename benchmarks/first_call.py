@@ -49,6 +49,16 @@ def first_call(model, args, kwargs, **compile_options) -> dict:
             "recompute_flops": plan.recompute_flops, "peak": plan.peak_bytes, "budget": plan.budget_bytes}
 
 
+def _budget(text: str) -> float | int:
+    """``--budget``: a fraction (at most 1) of the no-recompute peak, or a number of bytes."""
+    value = float(text)
+    return value if value <= 1 else int(value)
+
+
+def _said(budget: float | int) -> str:
+    return f"{budget:g} of the no-recompute peak" if isinstance(budget, float) else f"{budget:,} bytes"
+
+
 def _row(opts) -> dict:
     """One row's first call, in this process (a fresh one: see :func:`main`)."""
     from benchmarks.workloads import WORKLOADS
@@ -84,7 +94,8 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.first_call", description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", type=float, default=0.5, help="fraction of the no-recompute peak (0.5)")
+    parser.add_argument("--budget", type=_budget, default=0.5,
+                        help="a fraction of the no-recompute peak (0.5), or bytes (a peer's measured peak)")
     parser.add_argument("--long", type=float, default=60.0, help="the longer solve's time limit, s (60)")
     parser.add_argument("--quick", action="store_true", help="the workload's quick shape")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2", help="gpt2 (default)")
@@ -100,7 +111,7 @@ def main(argv=None) -> int:
     if unknown := [r for r in rows if r not in ROWS]:
         parser.error(f"unknown rows {unknown}: choose from {ROWS}")
     print(f"{WORKLOADS[opts.workload].description(opts.quick)}{' (--quick)' if opts.quick else ''}, backend={opts.backend!r}, "
-          f"budget {opts.budget:g} of the no-recompute peak, torch {torch.__version__}, 1 torch thread; "
+          f"budget {_said(opts.budget)}, torch {torch.__version__}, 1 torch thread; "
           f"each row a fresh process with an empty Inductor cache.\n")
     print("| first call | total | trace, step (and Inductor) | annotate | solve | emit and checks | status (gap) "
           "| recompute FLOPs | peak / budget | other parts |")
