@@ -56,7 +56,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     keeps them: the forward's first ``num_user_outputs`` and every gradient the backward returns (a
     gradient in another layout than its parameter's would be copied by autograd's accumulation, an
     allocation outside both the plan and the code). Inductor's FX graph cache is off for the call: a
-    cache hit would skip the lowering whose buffers the walk needs.
+    cache hit would skip the lowering whose buffers the walk needs. Its pool of freed buffers is off
+    too (``allow_buffer_reuse``): a buffer freed and taken again by a later allocation of its size
+    stays alive between the two, which Inductor allows where its estimate of the graph's own peak
+    does not grow, an estimate without the saved values the backward holds; each buffer is then freed
+    at its last use, as the plan frees it (on Mixtral's backward the pool kept 2 MiB across the
+    step's peak, above the plan: a re-plan and a second compile).
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -71,7 +76,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
     buffers: dict[str, int] = {}
     ready()  # the CPU's probe, begun by the first call (warm.start)
-    with _recording_buffers(buffers), config.patch(fx_graph_cache=False):
+    with _recording_buffers(buffers), config.patch(fx_graph_cache=False, allow_buffer_reuse=False):
         if backward:
             fn = compile_fx_inner(gm, example_inputs, is_backward=True)
         else:
