@@ -20,8 +20,8 @@ from ortools.sat.python import cp_model
 
 from remat_compiler.clock import Deadline
 from remat_compiler.solvers.cpsat.blockbound.compose import _Frame
-from remat_compiler.solvers.cpsat.blockbound.menu import _clone_var, _Menu, _MenuPoint
-from remat_compiler.solvers.cpsat.run import new_solver, run_solver
+from remat_compiler.solvers.cpsat.blockbound.menu import _clone_var, _Menu, _MenuPoint, block_solver
+from remat_compiler.solvers.cpsat.run import run_solver
 
 __all__ = ["direct_plans", "fits"]
 
@@ -82,11 +82,7 @@ def _cheapest(menu: _Menu, h_cap: int, w_cap: int, deadline: Deadline) -> _MenuP
     m.add(H <= h_cap)
     m.add(W <= w_cap)
     m.minimize(_clone_var(m, bm.cost) * (h_cap + 1) + H)
-    solver = new_solver()
-    solver.parameters.num_workers = 1
-    solver.parameters.cp_model_probing_level = 0  # as the staircases' solves (menu._staircase)
-    solver.parameters.linearization_level = 0
-    solver.parameters.max_time_in_seconds = deadline.left()
+    solver = block_solver(deadline.left())
     if run_solver(solver, m) != cp_model.OPTIMAL:
         return None
     pos = {v: i for i, v in enumerate(bm.nodes)}
