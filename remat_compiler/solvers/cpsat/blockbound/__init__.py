@@ -48,7 +48,10 @@ programme picks them; the programme runs again until it picks no stand-in. Every
 from a CP-SAT solve proven optimal, so each block plan is dominated by a point of the menu (no
 larger H, W or cost), and the least total is a valid bound. The programme's choice is also a plan:
 its block plans composed, everything outside the blocks saved; when it fits (the caller lets CP-SAT
-adjust what lies outside the blocks) its cost meets the bound, up to what lies outside.
+adjust what lies outside the blocks) its cost meets the bound, up to what lies outside. A caller with
+a tolerance need not wait for that: before each refinement, the choice's stand-ins are replaced by
+plans solved for that choice alone (:mod:`.direct`), and where their cost is within the tolerance of
+the bound they are the answer, the bound staying the stand-ins'.
 """
 from __future__ import annotations
 
