@@ -312,7 +312,6 @@ def test_the_staircase_over_h_in_two_halves_is_the_one_staircase(branch_stack, g
     assert w_min == _least(bm, bm.W, Deadline(60))
 
 
-
 @pytest.mark.parametrize("d,h,batch", [(16, 64, 512), (32, 16, 256)])
 def test_plans_solved_for_the_choice_stop_the_refinement_within_the_callers_tolerance(d, h, batch):
     """With ``accept``, the bound's choice is tried with its stand-ins replaced by plans solved for it

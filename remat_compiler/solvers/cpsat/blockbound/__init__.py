@@ -142,9 +142,10 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
             break
         if accept is not None:
             points = direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline)
-            if points is not None and accept(sum(o.cost for o in points), cost):
+            direct_cost = None if points is None else sum(o.cost for o in points)
+            if points is not None and accept(direct_cost, cost):
                 return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))),
-                                  saved_cost=sum(o.cost for o in points),
+                                  saved_cost=direct_cost,
                                   block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                                   time_s=time.perf_counter() - t_start, solves=menu.solves)
         # the next choice often moves to a neighbouring band: refine those along (both cores busy)

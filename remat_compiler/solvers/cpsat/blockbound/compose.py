@@ -10,7 +10,7 @@ from remat_compiler.solvers.cpsat.parts import alloc_index, storage_readers
 from remat_compiler.solvers.cpsat.blockbound.layout import _Layout, _Profile
 from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint
 
-__all__ = ["_Frame", "_compose"]
+__all__ = ["_Frame", "_compose", "fits"]
 
 
 class _Frame:
@@ -74,3 +74,15 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int):
         choice.append(opt)
         i = si
     return cost, choice[::-1]
+
+
+def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
+    """Whether these block plans (one per block, forward order) meet the composition's constraints:
+    each block's window and forward, and the head's window, under ``budget`` with the held bytes of
+    the blocks below (:func:`_compose`)."""
+    held = 0
+    for o, off, fw in zip(points, frame.offsets, frame.forward):
+        if held + fw > budget or o.W + off + held > budget:
+            return False
+        held += o.H
+    return held + frame.head <= budget

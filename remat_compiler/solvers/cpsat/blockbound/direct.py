@@ -7,7 +7,7 @@ staircase of cost over W there (38 solves, 5.3 of the 13.5 s of GPT-2's solve un
 decompositions); the choice needs one plan of it: the least cost with ``H <= hi`` and
 ``W <= budget - off_m - S_m``, where ``S_m`` is the held bytes the choice puts below block ``m``.
 The plans so found may hold more than their stand-in's label, so the composition is checked again on
-their own measures (:func:`fits`). Their cost is never below the bound (the bound is the least over
+their own measures (:func:`~.compose.fits`). Their cost is never below the bound (the bound is the least over
 the menu, whose stand-ins dominate these plans), so where it meets the bound within the caller's
 tolerance the refinement can stop: the bound stays the stand-ins' (a valid one) and the plan is within
 tolerance of it.
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from ortools.sat.python import cp_model
-
 from remat_compiler.clock import Deadline
-from remat_compiler.solvers.cpsat.blockbound.compose import _Frame
-from remat_compiler.solvers.cpsat.blockbound.menu import _clone_var, _Menu, _MenuPoint, block_solver
-from remat_compiler.solvers.cpsat.run import run_solver
+from remat_compiler.solvers.cpsat.blockbound.compose import _Frame, fits
+from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint, _staircase
 
-__all__ = ["direct_plans", "fits"]
+__all__ = ["direct_plans"]
 
 
 def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: list[int], frame: _Frame,
@@ -31,8 +28,9 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     """One block plan per block for ``choice`` (option indices into ``options``; ``stand[i]`` the band
     or ``(band, point)`` option ``i`` stands for, None for a found plan): found plans kept, each
     stand-in replaced by the cheapest plan of its band holding at most its label and a share of the
-    head's spare bytes, under the window peak the choice then leaves (ties to the least H). None if a block has no such plan, a solve is not proven by ``deadline``,
-    or the plans do not fit together (:func:`fits`)."""
+    head's spare bytes, under the window peak the choice then leaves (ties to the least W). None if a
+    block has no such plan, a solve is not proven by ``deadline``, or the plans do not fit together
+    (:func:`~.compose.fits`)."""
     unit = menu.bm.unit
     # a stand-in's H is its band's least; the plans found may hold more: each gets an equal share of
     # what the head's window leaves, and the windows above are capped as if every share were taken
@@ -59,33 +57,11 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     return points if fits(points, frame, budget) else None
 
 
-def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
-    """Whether these block plans (one per block, forward order) meet the composition's constraints:
-    each block's window and forward, and the head's window, under ``budget`` with the held bytes of
-    the blocks below (:func:`~.compose._compose`)."""
-    held = 0
-    for o, off, fw in zip(points, frame.offsets, frame.forward):
-        if held + fw > budget or o.W + off + held > budget:
-            return False
-        held += o.H
-    return held + frame.head <= budget
-
-
 def _cheapest(menu: _Menu, h_cap: int, w_cap: int, deadline: Deadline) -> _MenuPoint | None:
-    """The block plan of least cost with ``H <= h_cap`` and ``W <= w_cap`` (model units), ties to the
-    least H: its measures in bytes; None if there is none or it is not proven by the deadline."""
-    bm = menu.bm
-    if w_cap < 0 or deadline.left() <= 0:
+    """The block plan of least cost with ``H <= h_cap`` and ``W <= w_cap`` (model units): the first
+    step of the staircase of cost over W under those caps (:func:`~.menu._staircase`); None if there
+    is none or it is not proven by the deadline."""
+    if w_cap < 0:
         return None
-    m = bm.model.clone()
-    H, W = _clone_var(m, bm.H), _clone_var(m, bm.W)
-    m.add(H <= h_cap)
-    m.add(W <= w_cap)
-    m.minimize(_clone_var(m, bm.cost) * (h_cap + 1) + H)
-    solver = block_solver(deadline.left())
-    if run_solver(solver, m) != cp_model.OPTIMAL:
-        return None
-    pos = {v: i for i, v in enumerate(bm.nodes)}
-    return _MenuPoint(H=solver.value(H) * bm.unit, W=solver.value(W) * bm.unit,
-                      cost=int(round(solver.objective_value)) // (h_cap + 1),
-                      saved=frozenset(pos[v] for v, var in bm.s.items() if solver.value(_clone_var(m, var))))
+    points = _staircase(menu.bm, menu.bm.W, deadline, H_cap=h_cap, cap=w_cap, below=lambda x: None)
+    return points[0] if points else None

@@ -13,7 +13,7 @@ from remat_compiler.clock import Deadline
 from remat_compiler.solvers.cpsat.run import new_solver, run_solver
 from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
 
-__all__ = ["W_GRANULES", "W_SPLIT", "_MenuPoint", "_Menu", "_staircase", "_least", "_edge_below", "block_solver"]
+__all__ = ["W_GRANULES", "W_SPLIT", "_MenuPoint", "_Menu", "_staircase", "_least", "_edge_below"]
 
 
 #: The bands of W in a block's menu, in granules of H's bands, and how many finer bands each is cut
@@ -64,7 +64,13 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
         if H_cap is not None:
             m.add(_clone_var(m, bm.H) <= H_cap)
         m.minimize(_clone_var(m, bm.cost) * (hi + 1) + x_var)
-        solver = block_solver(left)
+        solver = new_solver()
+        solver.parameters.num_workers = 1
+        # small models: probing and the LP cost more than they save (the benchmark GPT-2's block: its
+        # menu's 77 solves took 6.8 s so, 10.5 s with linearization level 1, 253 s with level 2)
+        solver.parameters.cp_model_probing_level = 0
+        solver.parameters.linearization_level = 0
+        solver.parameters.max_time_in_seconds = left
         status = run_solver(solver, m)
         if solves is not None:
             solves.append(1)
@@ -84,18 +90,6 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
         cap = x - 1 if below is None else below(x)
         if cap is None:
             return options
-
-
-def block_solver(seconds: float) -> cp_model.CpSolver:
-    """A solver for one block's small models: one worker, no probing, no LP (on these models they
-    cost more than they save: replayed on the benchmark GPT-2's block, the menu's 77
-    solves took 6.8 s so, 10.5 s with linearization level 1 and 253 s with 2)."""
-    solver = new_solver()
-    solver.parameters.num_workers = 1
-    solver.parameters.cp_model_probing_level = 0
-    solver.parameters.linearization_level = 0
-    solver.parameters.max_time_in_seconds = seconds
-    return solver
 
 
 def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
