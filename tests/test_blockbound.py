@@ -237,6 +237,99 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     assert seed.saved is None and seed.bound == calls[0][1].bound and len(calls) == 1
 
 
+class HeadStack(Stack):
+    """:class:`Stack` with a language model's head: logits wider than the blocks, cross-entropy."""
+
+    def __init__(self, n: int, d: int, h: int, vocab: int):
+        super().__init__(n, d, h)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.cross_entropy(self.out(x), y)
+
+
+def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_window(monkeypatch):
+    """Where the composed plan peaks in the head's span (the logits and their backward beside every
+    block's saved values), the blocks are chosen again with the head's window charged the overshoot,
+    under the same budget: lowering the budget would take the bytes from every block's backward
+    window too. The plan fits, the bound stays the budget's, and it costs no more than the plan
+    chosen under the lowered budget."""
+    import remat_compiler.solvers.cpsat.warmstart as warmstart
+    from remat_compiler.schedule import no_recompute, peak_of
+    from remat_compiler.solvers.cpsat.run import Job
+
+    torch.manual_seed(0)
+    vocab, batch = 256, 512
+    _, cg = rc.analyze(HeadStack(3, 16, 64, vocab), (torch.randn(batch, 16, requires_grad=True),
+                                                     torch.randint(0, vocab, (batch,))))
+    budget = int(0.85 * no_recompute(cg).peak_bytes)
+    real, calls, head_known = warmstart.block_bound, [], [True]
+
+    def choosing_too_much_first(cg_, budget_bytes, *args, **kwargs):
+        found = real(cg_, budget_bytes, *args, **kwargs)
+        calls.append((budget_bytes, kwargs.get("head_extra", 0), found))
+        if len(calls) == 1:  # every block value saved: the peak is the head's backward
+            found.saved = set(cg_.candidates)
+        if not head_known[0]:
+            found.head_times = None
+        return found
+    monkeypatch.setattr(warmstart, "block_bound", choosing_too_much_first)
+    seed = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
+    sim = simulate(cg, build_schedule(cg, set(cg.candidates)))
+    first, end = calls[0][2].head_times
+    assert first <= sim.peak_time <= end
+    overshoot = sim.peak_bytes - budget
+    assert overshoot > 0
+    assert [(b, extra) for b, extra, _ in calls] == [(budget, 0), (budget, overshoot)]
+    assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
+    assert seed.bound == calls[0][2].bound
+
+    # as before: the budget lowered by the overshoot, every window losing it
+    head_known[0] = False
+    calls.clear()
+    lowered = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
+    assert [(b, extra) for b, extra, _ in calls] == [(budget, 0), (budget - overshoot, 0)]
+    cost = lambda saved: sum(cost_units(cg, n, "flops") for n in build_schedule(cg, saved).recomputed)  # noqa: E731
+    assert lowered.saved is None or cost(seed.saved) <= cost(lowered.saved)
+
+
+def test_a_plan_holds_what_it_saves_until_the_head_reads_a_block():
+    """Before the head first reads a block's value nothing of the blocks has been recomputed or freed:
+    the check of a composition of plans charges each block its saved bytes (``F``) there and in
+    every block's forward, where the bound's programme may charge ``H``, their least."""
+    from types import SimpleNamespace
+    from remat_compiler.solvers.cpsat.blockbound.compose import fits
+    from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint
+
+    frame = SimpleNamespace(offsets=[0, 0, 0], forward=[10, 10, 10], head=40)
+    plan = lambda H, F: _MenuPoint(H=H, W=50, cost=1, saved=frozenset(), F=F)  # noqa: E731
+    assert fits([plan(20, 20)] * 3, frame, 100)
+    assert not fits([plan(20, 21)] * 3, frame, 100)  # the head: 63 saved + 40 > 100
+    assert fits([plan(20, None)] * 3, frame, 100)  # a stand-in: its H
+    frame.head = 0
+    assert not fits([plan(20, 50), plan(20, 45), plan(20, 5)], frame, 100)  # the third's forward: 95 + 10
+    assert fits([plan(20, 45), plan(20, 40), plan(20, 10)], frame, 100)
+
+
+def test_the_plans_found_are_composed_on_what_they_save():
+    """Before refining again, the plans found so far are composed on their own saved bytes (a
+    refined plan's ``H`` is its band's least): the cheapest one per block whose saved bytes fit the
+    head beside the blocks', stand-ins left out."""
+    from types import SimpleNamespace
+    from remat_compiler.solvers.cpsat.blockbound import _plans_composed
+    from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint
+
+    frame = SimpleNamespace(offsets=[0, 0, 0], forward=[0, 0, 0], head=40)
+    cheap = _MenuPoint(H=10, W=20, cost=1, saved=frozenset({0, 1}), F=30)
+    lean = _MenuPoint(H=10, W=20, cost=5, saved=frozenset({0}), F=15)
+    standin = _MenuPoint(H=0, W=0, cost=0, saved=None)
+    points = _plans_composed([standin, cheap, lean], frame, 100)
+    assert sorted(o.cost for o in points) == [1, 5, 5]  # 30 + 15 + 15 + 40 = 100; three cheap: 130
+    assert _plans_composed([standin, cheap, lean], frame, 84) is None  # three lean: 45 + 40 = 85
+
+
 def test_when_the_time_runs_out_the_best_choice_of_the_plans_found_is_still_a_plan(branch_stack, w_sweep, monkeypatch):
     """The menu is refined round by round until the programme's choice is made of found plans; when
     the time runs out first (simulated: the second refinement reports it), the bound stands, and the

@@ -50,18 +50,20 @@ larger H, W or cost), and the least total is a valid bound. The programme's choi
 its block plans composed, everything outside the blocks saved; when it fits (the caller lets CP-SAT
 adjust what lies outside the blocks) its cost meets the bound, up to what lies outside. A caller with
 a tolerance need not wait for that: before each refinement, the choice's stand-ins are replaced by
-plans solved for that choice alone (:mod:`.direct`), and where their cost is within the tolerance of
-the bound they are the answer, the bound staying the stand-ins'.
+plans solved for that choice alone (:mod:`.direct`), the plans found so far are composed on what
+they save (:func:`_plans_composed`), and where the cheaper is within the tolerance of the bound it is
+the answer, the bound staying the stand-ins'.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph, representative_block
+from remat_compiler.schedule import bw_time
 from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
 from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame
 from remat_compiler.solvers.cpsat.blockbound.direct import direct_plans
@@ -88,10 +90,13 @@ class BlockBound:
     menu_size: int = 0
     time_s: float = 0.0
     solves: int = 0  # staircase solves of cost over W made for the menu so far (kept menus: all calls')
+    head_times: tuple[int, int] | None = None  # the head's span on the model's time axis: after the
+    # blocks' forward, before its first read of a block's value (where every block holds what it saves)
 
 
 def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline, menus: dict | None = None,
-                cost_key=None, min_blocks: int = 3, w_granule: int | None = None, accept=None) -> BlockBound | None:
+                cost_key=None, min_blocks: int = 3, w_granule: int | None = None, accept=None,
+                head_extra: int = 0) -> BlockBound | None:
     """A lower bound on the summed ``cost_of`` of every plan of the CP-SAT model that fits
     ``budget_bytes``, and its choice composed into a saved set (see the module docstring).
 
@@ -107,8 +112,11 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     bytes of the menu's first bands of W (default :data:`W_GRANULES` of H's; 1: no bands, every
     step of the staircases solved), which change the work, not the bound. ``accept(cost, bound)``:
     where given, before refining a choice its stand-ins are replaced by plans solved for it alone
-    (:mod:`.direct`); if their blocks' cost is accepted against the bound (the caller's tolerance),
-    those plans are the answer (``exact`` False) and the bound stays the stand-ins'.
+    (:mod:`.direct`), and the plans found so far are composed (:func:`_plans_composed`); if the
+    cheaper's cost is accepted against the bound (the caller's tolerance), those plans are the answer
+    (``exact`` False) and the bound stays the stand-ins'. ``head_extra``:
+    bytes the head's window is taken to hold beyond its fixed memory (a caller's measure of what
+    lies outside the blocks there; the bound is then that of the smaller problem).
     """
     t_start = time.perf_counter()
     lay = _Layout(cg)
@@ -117,6 +125,8 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     fixed = _fixed_intervals(cg, lay)
     k = representative_block(lay.stack)
     frame = _Frame(cg, lay, fixed, k)
+    frame.head += head_extra
+    head_times = (cg.fw_index[lay.nodes[-1][-1]] + 1, bw_time(lay.F, lay.tau_head, 0) - 1)
     # the fingerprint does not cover costs (a runtime estimate depends on the cost model): key on
     # the reference block's costs too
     key = (cg.fingerprint, cost_key, tuple(int(cost_of(v)) for v in lay.nodes[k]), w_granule)
@@ -141,13 +151,15 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         if not todo:
             break
         if accept is not None:
-            points = direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline)
+            tried = [p for p in (direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline),
+                                 _plans_composed(options, frame, budget_bytes)) if p is not None]
+            points = min(tried, key=lambda ps: sum(o.cost for o in ps), default=None)
             direct_cost = None if points is None else sum(o.cost for o in points)
             if points is not None and accept(direct_cost, cost):
                 return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))),
                                   saved_cost=direct_cost,
                                   block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
-                                  time_s=time.perf_counter() - t_start, solves=menu.solves)
+                                  time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
         # the next choice often moves to a neighbouring band: refine those along (both cores busy)
         todo |= {b + d for b in todo if not isinstance(b, tuple) for d in (-1, 1)
                  if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
@@ -161,10 +173,19 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
             return BlockBound(bound=cost, saved=None if found is None else _composed(cg, lay, plans, found[1]),
                               saved_cost=None if found is None else found[0],
                               block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
-                              time_s=time.perf_counter() - t_start, solves=menu.solves)
+                              time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
     return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice), saved_cost=cost,
                       block_candidates=_block_candidates(cg, lay), menu_size=len(options),
-                      time_s=time.perf_counter() - t_start, solves=menu.solves)
+                      time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
+
+
+def _plans_composed(options: list[_MenuPoint], frame: _Frame, budget: int) -> list[_MenuPoint] | None:
+    """The cheapest composition of the plans found so far (no stand-in) on their own saved bytes
+    (``F``, what a block holds until its values are first read; labelled ``H`` is the band's least),
+    one per block, or None where none fits."""
+    plans = [replace(o, H=o.F) for o in options if o.saved is not None and o.F is not None]
+    found = _compose(plans, frame, budget)
+    return None if found is None else [plans[i] for i in found[1]]
 
 
 def _block_candidates(cg: CostGraph, lay: _Layout) -> set[str]:

@@ -79,10 +79,13 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int):
 def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
     """Whether these block plans (one per block, forward order) meet the composition's constraints:
     each block's window and forward, and the head's window, under ``budget`` with the held bytes of
-    the blocks below (:func:`_compose`)."""
-    held = 0
+    the blocks below (:func:`_compose`). Until the head first reads a block's value nothing of the
+    blocks has been recomputed or freed, so there (each block's forward, the head) a plan's blocks
+    hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan)."""
+    held = saved = 0
     for o, off, fw in zip(points, frame.offsets, frame.forward):
-        if held + fw > budget or o.W + off + held > budget:
+        if saved + fw > budget or o.W + off + held > budget:
             return False
         held += o.H
-    return held + frame.head <= budget
+        saved += o.H if o.F is None else o.F
+    return saved + frame.head <= budget

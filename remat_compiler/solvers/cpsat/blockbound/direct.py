@@ -32,9 +32,12 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     block has no such plan, a solve is not proven by ``deadline``, or the plans do not fit together
     (:func:`~.compose.fits`)."""
     unit = menu.bm.unit
-    # a stand-in's H is its band's least; the plans found may hold more: each gets an equal share of
-    # what the head's window leaves, and the windows above are capped as if every share were taken
-    labelled = sum(options[i].H for i in choice)
+    # a stand-in's H is its band's least; the plans found may hold more, and until the head's first
+    # read of a block they hold all they save (F, :func:`~.compose.fits`): each gets an equal share of
+    # what the head's window leaves over the labels and the kept plans' F, capping both its H and its
+    # F, and the windows above are capped as if every share were taken
+    labelled = sum(options[i].H if stand[i] is not None or options[i].F is None else options[i].F
+                   for i in choice)
     spare = max(0, budget - frame.head - labelled) // max(1, sum(stand[i] is not None for i in choice))
     held, wanted = 0, {}
     for m, i in enumerate(choice):
@@ -43,7 +46,7 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
             b = item if not isinstance(item, tuple) else item[0]
             h_cap = min(menu.edges[b + 1], h + spare) // unit
             w_cap = (budget - frame.offsets[m] - held) // unit
-            wanted.setdefault((h_cap, w_cap), []).append(m)
+            wanted.setdefault((h_cap, w_cap, (h + spare) // unit), []).append(m)
             h = h_cap * unit
         held += h
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -57,11 +60,11 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     return points if fits(points, frame, budget) else None
 
 
-def _cheapest(menu: _Menu, h_cap: int, w_cap: int, deadline: Deadline) -> _MenuPoint | None:
-    """The block plan of least cost with ``H <= h_cap`` and ``W <= w_cap`` (model units): the first
-    step of the staircase of cost over W under those caps (:func:`~.menu._staircase`); None if there
-    is none or it is not proven by the deadline."""
+def _cheapest(menu: _Menu, h_cap: int, w_cap: int, f_cap: int, deadline: Deadline) -> _MenuPoint | None:
+    """The block plan of least cost with ``H <= h_cap``, ``W <= w_cap`` and ``F <= f_cap`` (model
+    units): the first step of the staircase of cost over W under those caps
+    (:func:`~.menu._staircase`); None if there is none or it is not proven by the deadline."""
     if w_cap < 0:
         return None
-    points = _staircase(menu.bm, menu.bm.W, deadline, H_cap=h_cap, cap=w_cap, below=lambda x: None)
+    points = _staircase(menu.bm, menu.bm.W, deadline, H_cap=h_cap, cap=w_cap, below=lambda x: None, F_cap=f_cap)
     return points[0] if points else None

@@ -39,13 +39,15 @@ class _MenuPoint:
     saved: frozenset[int] | None  # positions in the block's node list
     w_range: tuple[int, int] | None = None
     granule: int = 0  # a W stand-in's: the bands of W (bytes) its range was cut from
+    F: int | None = None  # a plan's saved bytes (all live until the head's first read of a block)
 
 
 def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None, below=None,
-               cap: int | None = None, floor: int | None = None, solves: list | None = None):
+               cap: int | None = None, floor: int | None = None, solves: list | None = None,
+               F_cap: int | None = None):
     """Block plans along the exact staircase of ``x -> least cost with measure <= x`` (and
-    ``H <= H_cap``, in the model's units): each solve minimises cost, then the measure; the first
-    asks for ``measure <= cap`` (None: any), the next for a smaller measure: at most ``below(x)``
+    ``H <= H_cap``, ``F <= F_cap``, in the model's units): each solve minimises cost, then the
+    measure; the first asks for ``measure <= cap`` (None: any), the next for a smaller measure: at most ``below(x)``
     (model units; default ``x - 1``: every step of the staircase; None: stop). A solve whose
     measure is at most ``floor`` ends it, its plan left out. Returns the options, or None if a
     solve is not proven optimal by the deadline; each solve appends 1 to ``solves`` when given."""
@@ -63,6 +65,8 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
             m.add(x_var <= cap)
         if H_cap is not None:
             m.add(_clone_var(m, bm.H) <= H_cap)
+        if F_cap is not None:
+            m.add(_clone_var(m, bm.held) <= F_cap)
         m.minimize(_clone_var(m, bm.cost) * (hi + 1) + x_var)
         solver = new_solver()
         solver.parameters.num_workers = 1
@@ -83,7 +87,7 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
             return options
         options.append(_MenuPoint(
             H=solver.value(_clone_var(m, bm.H)) * bm.unit, W=solver.value(_clone_var(m, bm.W)) * bm.unit,
-            cost=cost,
+            cost=cost, F=solver.value(_clone_var(m, bm.held)) * bm.unit,
             saved=frozenset(pos[v] for v, var in bm.s.items() if solver.value(_clone_var(m, var)))))
         if x == 0:
             return options
@@ -234,7 +238,7 @@ class _Menu:
             return None, len(solves)
         out = []
         for o in points:
-            out.append(_MenuPoint(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved))
+            out.append(_MenuPoint(H=self._label(b), W=o.W, cost=o.cost, saved=o.saved, F=o.F))
             x = o.W // unit
             lo = edge(x)
             lo = low if lo is None else lo
