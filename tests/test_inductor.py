@@ -584,3 +584,43 @@ def test_inductor_frees_each_buffer_where_the_plan_does(monkeypatch):
     assert m.planned.backend == "inductor"
     assert seen == [False, False]  # the forward and the backward
     assert config.allow_buffer_reuse  # the setting is Inductor's again for other compiles
+
+
+def _report_on_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of the gathered first-step report: rank 1 measures 40 bytes above the 1,100-byte
+    budget, rank 0 within it."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import remat_compiler.inductor.backend as backend
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    backend.resolve_budget = lambda cg, budget: 1100
+    walked = EmittedPeak()
+    walked.record("backward:buf3", 1000)
+    entry = SimpleNamespace(inductor=backend.InductorState(),
+                            planned=SimpleNamespace(cg=None, plan=SimpleNamespace(peak_bytes=1050)))
+    report = backend.first_step_report(entry, SimpleNamespace(budget=None), 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report(1140 if rank == 1 else 1090, 0, walked)
+    torch.save({"over": entry.inductor.over, "warned": [str(w.message) for w in caught]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_under_torch_distributed_every_rank_replans_by_the_rank_that_measured_above(tmp_path):
+    """The ranks measure their first steps apart but run one plan (rank 0's): the overshoot is
+    gathered, and every rank, the one within the budget too, plans its next call lower by the
+    largest, with what that rank's walk missed, so that their next plans are one plan again."""
+    import dist_spawn
+
+    dist_spawn.spawn_ranks(_report_on_rank, 2, tmp_path, timeout_s=60)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["over"] for r in ranks] == [(1050 - 40, 140, 1050)] * 2
+    for r in ranks:
+        (said,) = r["warned"]
+        assert "measured 1140 bytes on rank 1" in said and "on every rank" in said

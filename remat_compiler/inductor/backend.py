@@ -187,39 +187,62 @@ def first_step_report(entry, spec: PlanSpec, margin: int, *, walk_relied_on: boo
     this walk missed (``entry.inductor.over``). With ``walk_relied_on`` (a range of shapes, whose
     other sizes the walk alone holds to the budget) a step within the budget that measured more than
     the walk, less the outputs the caller held, is re-planned too, lower by what the walk missed.
-    Under torch.distributed it only warns: the ranks measure apart, and a re-plan on one rank alone
-    would part their plans. Where the caller held outputs through the backward that
-    ``hold_outputs=False`` planned as freed (``held`` bytes), the warning says so and what to do."""
+    Under torch.distributed the ranks measure apart and run one plan (rank 0's): every rank's
+    overshoot is gathered (a collective, once, at the end of the first backward on every rank) and
+    every rank re-plans by the largest, so that their next plans are rank 0's again. Where the
+    caller held outputs through the backward that ``hold_outputs=False`` planned as freed (``held``
+    bytes), the warning says so and what to do."""
     def report(measured: int, held: int, walked: EmittedPeak) -> None:
         planned = entry.planned
         planned.first_step_bytes = measured
         limit = resolve_budget(planned.cg, spec.budget)
-        missed = max(measured - walked.peak_bytes, 0)
-        if limit is None or measured <= limit and not (walk_relied_on and missed > held):
+        if limit is None:
             return
-        if measured <= limit:  # within the budget, but the walk the other sizes rely on missed bytes
-            lower = missed = missed - held
-            said = (f"backend='inductor', max_seq_len: the first step of the range's code measured {measured} "
-                    f"bytes where the walk of its code at that step's sizes predicted {walked.peak_bytes} "
-                    f"(at {walked.peak_node}): it missed {lower} bytes, so its walk at the bound does not prove "
-                    f"the budget")
-        else:
+        missed = max(measured - walked.peak_bytes, 0)
+        if measured > limit:
             lower = measured - limit
+        elif walk_relied_on and missed > held:  # within the budget, but the walk the other sizes rely on missed
+            lower = missed = missed - held
+        else:
+            lower = 0
+        over_at = min(limit, planned.plan.peak_bytes)
+        mine = (lower, missed, measured, walked.peak_bytes, held, limit, over_at)
+        worst, rank = (_worst_over_ranks(mine) if distributed() else (mine, None))
+        lower, missed, measured, walked_bytes, held, limit, over_at = worst
+        if lower == 0:
+            return
+        where = "" if rank is None else f" on rank {rank}"
+        at = f" (at {walked.peak_node})" if rank is None else ""
+        if measured <= limit:
+            said = (f"backend='inductor', max_seq_len: the first step of the range's code measured {measured} "
+                    f"bytes{where} where the walk of its code at that step's sizes predicted {walked_bytes}{at}: "
+                    f"it missed {lower} bytes, so its walk at the bound does not prove the budget")
+        else:
             said = (f"backend='inductor': the first step of Inductor's code for this plan measured "
-                    f"{measured} bytes, above the budget of {limit} bytes; the walk of its code had "
-                    f"predicted {walked.peak_bytes} bytes (at {walked.peak_node}), so it missed {missed} bytes")
+                    f"{measured} bytes{where}, above the budget of {limit} bytes; the walk of its code had "
+                    f"predicted {walked_bytes} bytes{at}, so it missed {missed} bytes")
             if held:
                 said += (f". The caller still held {held} bytes of the step's outputs through its backward, "
                          f"which hold_outputs=False plans as freed when the forward returns"
                          f"{' (that is all the walk missed)' if missed <= held else ''}: keep only the loss "
                          f"(loss = m(x, labels=y).loss; loss.backward()), or compile with hold_outputs=True so "
                          f"that the plan counts them")
-        if distributed():
-            warnings.warn(f"{said}. Under torch.distributed it is not re-planned on one rank: pass a "
-                          f"memory_budget lower by {lower} bytes", RuntimeWarning, stacklevel=2)
-            return
-        over_at = min(limit, planned.plan.peak_bytes)
         entry.inductor.over = (over_at - lower, margin + missed, over_at)
-        warnings.warn(f"{said}. The next call plans this step again under a budget lower by "
+        also = "" if rank is None else " on every rank (rank 0 plans it for all)"
+        warnings.warn(f"{said}. The next call plans this step again{also} under a budget lower by "
                       f"{lower} bytes", RuntimeWarning, stacklevel=2)
     return report
+
+
+def _worst_over_ranks(mine: tuple) -> tuple[tuple, int]:
+    """Every rank's ``(lower, ...)`` gathered; the one of the rank to lower the most (the first such
+    rank), and that rank: the same on every rank."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        gathered = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64))
+    rows = [tuple(int(x) for x in t.tolist()) for t in gathered]
+    rank = max(range(len(rows)), key=lambda r: (rows[r][0], -r))
+    return rows[rank], rank
