@@ -43,7 +43,10 @@ __all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_n
 
 @dataclass(frozen=True)
 class CostModel:
-    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, a 25 GB/s link).
+    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, and the 1 GB/s a collective
+    gets between gloo ranks on it: ``python -m benchmarks.link_rate`` measured 0.6 to 1.7 GB/s for
+    1.6 to 6 MB all-gathers; at the 25 GB/s assumed before, re-gathering every FSDP2 unit looked free
+    and the sharded GPT-2 step at checkpointing's peak ran 1.18 of that peer's, against 0.88 at 1 GB/s).
 
     :meth:`preset` gives the rates of a named accelerator (:data:`DEVICE_PRESETS`).
 
@@ -68,7 +71,7 @@ class CostModel:
 
     compute_flops_per_s: float = 1.0e11
     memory_bytes_per_s: float = 2.0e10
-    link_bytes_per_s: float = 2.5e10
+    link_bytes_per_s: float = 1.0e9
     memory_capacity_bytes: int | None = None
     name: str = "cpu"
     device: str = "cpu"
