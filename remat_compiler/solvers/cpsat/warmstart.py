@@ -165,11 +165,12 @@ def decomposition(job: Job, seconds: float) -> Seed:
         if found is None or found.saved is None:
             break
         saved = _fix_up(job, found, clock)
-        sim = simulate(job.cg, build_schedule(job.cg, found.saved))
-        if saved is None and sim.peak_bytes <= job.budget_bytes and job.complies(found.saved):
-            saved = set(found.saved)  # the fix-up found nothing better in time; the composition fits as it is
         if saved is not None:
             return Seed(saved, bound, decomposed=True)
+        sim = simulate(job.cg, build_schedule(job.cg, found.saved))
+        if sim.peak_bytes <= job.budget_bytes and job.complies(found.saved):
+            # the fix-up found nothing better in time; the composition fits as it is
+            return Seed(set(found.saved), bound, decomposed=True)
         over = sim.peak_bytes - job.budget_bytes
         if attempt == RECHOICES or over <= 0 or clock.left() < MIN_PHASE_S:
             break

@@ -114,9 +114,9 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     where given, before refining a choice its stand-ins are replaced by plans solved for it alone
     (:mod:`.direct`), and the plans found so far are composed (:func:`_plans_composed`); if the
     cheaper's cost is accepted against the bound (the caller's tolerance), those plans are the answer
-    (``exact`` False) and the bound stays the stand-ins'. ``head_extra``:
-    bytes the head's window is taken to hold beyond its fixed memory (a caller's measure of what
-    lies outside the blocks there; the bound is then that of the smaller problem).
+    (``exact`` False) and the bound stays the stand-ins'. ``head_extra``: bytes the head's window is
+    taken to hold beyond its fixed memory (a caller's measure of what lies outside the blocks there;
+    the bound is then that of the smaller problem).
     """
     t_start = time.perf_counter()
     lay = _Layout(cg)

@@ -47,8 +47,8 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
                F_cap: int | None = None):
     """Block plans along the exact staircase of ``x -> least cost with measure <= x`` (and
     ``H <= H_cap``, ``F <= F_cap``, in the model's units): each solve minimises cost, then the
-    measure; the first asks for ``measure <= cap`` (None: any), the next for a smaller measure: at most ``below(x)``
-    (model units; default ``x - 1``: every step of the staircase; None: stop). A solve whose
+    measure; the first asks for ``measure <= cap`` (None: any), the next for a smaller measure: at
+    most ``below(x)`` (model units; default ``x - 1``: every step of the staircase; None: stop). A solve whose
     measure is at most ``floor`` ends it, its plan left out. Returns the options, or None if a
     solve is not proven optimal by the deadline; each solve appends 1 to ``solves`` when given."""
     dom = measure.proto.domain
