@@ -154,10 +154,10 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
             tried = [p for p in (direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline),
                                  _plans_composed(options, frame, budget_bytes)) if p is not None]
             points = min(tried, key=lambda ps: sum(o.cost for o in ps), default=None)
-            direct_cost = None if points is None else sum(o.cost for o in points)
-            if points is not None and accept(direct_cost, cost):
+            plan_cost = None if points is None else sum(o.cost for o in points)
+            if points is not None and accept(plan_cost, cost):
                 return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))),
-                                  saved_cost=direct_cost,
+                                  saved_cost=plan_cost,
                                   block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                                   time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
         # the next choice often moves to a neighbouring band: refine those along (both cores busy)
@@ -165,13 +165,13 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
                  if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
         if not menu.refine(todo, deadline):
             # the time is up: the bound stands (an unrefined band still stands for its plans), and the
-            # best choice of the plans found so far is still a plan (on GPT-2 under the runtime
-            # objective at 25 s the bound's own choice missed the deadline, and with it the plan)
+            # best choice of the plans found so far, on what they save, is still a plan (on GPT-2 under
+            # the runtime objective at 25 s the bound's own choice missed the deadline, and with it the plan)
             options, _ = menu.options()
-            plans = [o for o in options if o.saved is not None]
-            found = _compose(plans, frame, budget_bytes)
-            return BlockBound(bound=cost, saved=None if found is None else _composed(cg, lay, plans, found[1]),
-                              saved_cost=None if found is None else found[0],
+            points = _plans_composed(options, frame, budget_bytes)
+            saved = None if points is None else _composed(cg, lay, points, list(range(lay.L)))
+            return BlockBound(bound=cost, saved=saved,
+                              saved_cost=None if points is None else sum(o.cost for o in points),
                               block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                               time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
     return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice), saved_cost=cost,
