@@ -38,6 +38,21 @@ bounds every plan's cost from below (what lies outside the blocks counts as free
 every plan has: a value outside the blocks while the forward still reads it and between its first
 and last backward read).
 
+4. *Pulled boundaries.* Where no block's value is read by backward before the block's own window,
+   as in a bfloat16 decoder stack (its residual sum is read by the next layer's float32 copy and
+   its residual add, whose backward passes need neither), the boundary is read by the next block's
+   forward only: that block's recomputation may *pull* it at any step before the window, pulling
+   with it what it is computed from, and a chain of pulls may reach further back. Then the block
+   plan of a plan is taken in one of four *variants* ``(pulled, pulls)``: whether its boundary is
+   pulled (modelled as a read at the last step before its window: its window is the same whenever
+   the pull runs), and whether it recomputes a reader of the previous block's boundary; consecutive
+   blocks agree (block ``m``'s ``pulled`` is block ``m + 1``'s ``pulls``). H is ``F`` read: the
+   bytes saved that backward reads at all, which no block frees before the blocks' backward begins.
+   So ``forward_m + sum_{j<m} H_j`` and the head's forward plus ``sum_j H_j`` stay within the
+   budget; in the windows, where a pull may already have freed a block's share, only ``W_m + off_m``
+   (and the head's window's fixed memory) does. Each variant has its own menu
+   (:mod:`.variants`).
+
 Blocks being identical (same ops, the same reads at the same steps relative to their window), one
 block's plans serve all. Its *menu* is the staircase of (H, W, cost): H is cut into bands at
 multiples of the block's value sizes; a band is stood for by one optimistic point (its least H,
@@ -69,6 +84,7 @@ from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame
 from remat_compiler.solvers.cpsat.blockbound.direct import direct_plans
 from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
 from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint
+from remat_compiler.solvers.cpsat.blockbound.variants import VARIANTS, _Menus
 
 __all__ = ["BlockBound", "block_bound"]
 
@@ -135,10 +151,19 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     if menu is None:
         cands = set(cg.candidates)
         sizes = [cg.attr(v, "bytes") for v in lay.nodes[k] if v in cands]
-        menu = _Menu(_BlockModel(cg, lay, k, cost_of, fixed),
-                     _BlockModel(cg, lay, k, cost_of, fixed, memory=False), sizes, deadline, w_granule)
-        if not menu.ok:
+        parts = []
+        for variant in (VARIANTS if lay.pull is not None else (None,)):
+            one = _Menu(_BlockModel(cg, lay, k, cost_of, fixed, variant=variant),
+                        _BlockModel(cg, lay, k, cost_of, fixed, memory=False, variant=variant), sizes, deadline,
+                        w_granule)
+            if one.empty:
+                continue  # no block plan of this variant
+            if not one.ok:
+                return None
+            parts.append((variant, one))
+        if not parts:
             return None
+        menu = _Menus(parts)
         if keep:
             menus[key] = menu
     while True:
@@ -161,8 +186,7 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
                                   block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                                   time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
         # the next choice often moves to a neighbouring band: refine those along (both cores busy)
-        todo |= {b + d for b in todo if not isinstance(b, tuple) for d in (-1, 1)
-                 if 0 <= b + d < len(menu.edges) - 1 and b + d not in menu.bands}
+        todo |= menu.neighbours(todo)
         if not menu.refine(todo, deadline):
             # the time is up: the bound stands (an unrefined band still stands for its plans), and the
             # best choice of the plans found so far, on what they save, is still a plan (on GPT-2 under
@@ -184,7 +208,7 @@ def _plans_composed(options: list[_MenuPoint], frame: _Frame, budget: int) -> li
     (``F``, what a block holds until its values are first read; labelled ``H`` is the band's least),
     one per block, or None where none fits."""
     plans = [replace(o, H=o.F) for o in options if o.saved is not None and o.F is not None]
-    found = _compose(plans, frame, budget)
+    found = _compose(plans, frame, budget, plans=True)
     return None if found is None else [plans[i] for i in found[1]]
 
 

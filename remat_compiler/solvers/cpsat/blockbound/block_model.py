@@ -22,11 +22,14 @@ class _BlockModel:
     saved is recomputed at the first step that needs it, live to its last read. Measures: ``cost``;
     ``held`` (F: bytes saved); ``W`` (the peak of fixed memory and the block's live values over its
     window up to ``tau``, ``[t0, t1]``; without ``memory`` the cumulative is left out and ``W`` is
-    meaningless, which makes solves on H alone faster); ``H`` (min(F, D), module docstring 3). All
-    in ``unit`` bytes.
+    meaningless, which makes solves on H alone faster); ``H`` (min(F, D), module docstring 3; where
+    boundaries are pulled, the bytes saved that backward reads, 4). All in ``unit`` bytes. ``variant``
+    (``(pulled, pulls)``, :mod:`.variants`): where boundaries are pulled, whether the next block takes
+    this one's before the window, and whether this one recomputes a reader of the previous one's.
     """
 
-    def __init__(self, cg: CostGraph, lay: _Layout, k: int, cost_of, fixed, *, memory: bool = True):
+    def __init__(self, cg: CostGraph, lay: _Layout, k: int, cost_of, fixed, *, memory: bool = True,
+                 variant: tuple[int, int] | None = None):
         F = lay.F
         self.nodes = lay.nodes[k]
         M = [v for v in self.nodes if not cg.is_available_in_bw(v)]
@@ -35,12 +38,36 @@ class _BlockModel:
         self.ws = lay.ws[k]
         self.t0 = t0 = bw_time(F, lay.ws[k], 0)
         self.t1 = t1 = bw_time(F, lay.ws[k] + lay.rel_tau) - 1
-        window_fixed = [(max(a, t0), min(z, t1), size) for a, z, size in fixed if a <= t1 and z >= t0]
+        merged: dict[tuple[int, int], int] = {}  # one interval per span: fewer for the cumulative
+        for a, z, size in fixed:
+            if a <= t1 and z >= t0:
+                span = (max(a, t0), min(z, t1))
+                merged[span] = merged.get(span, 0) + size
+        window_fixed = [(a, z, size) for (a, z), size in sorted(merged.items())]
         self.unit = unit = reduce(math.gcd, [cg.attr(v, "bytes") for v in cands]
                                   + [size for *_, size in window_fixed], 0) or 1
         m = cp_model.CpModel()
         direct_first = {v: min(lay.reads[v]) for v in M if lay.reads.get(v)}
-        s, r, _need = add_decisions(m, cg, M, set(direct_first))
+        s, r, need = add_decisions(m, cg, M, set(direct_first))
+        # the pulled boundary (module docstring, 4): the next block's recomputation may need it at
+        # any step before the window, taken here at the last one where ``pulled``
+        self.boundary = self.nodes[lay.pull] if lay.pull is not None else None
+        self.pulled = m.new_bool_var("pulled") if self.boundary in M else None
+        if self.pulled is not None:
+            m.add_implication(self.pulled, need[self.boundary])
+        if variant is not None:  # (pulled, pulls): this block's boundary taken, the previous one's taken
+            pulled, pulls = variant
+            if self.pulled is None:
+                if pulled:
+                    m.add_bool_or([])  # a boundary the block does not keep cannot be pulled: no plan
+            else:
+                m.add(self.pulled == pulled)
+            readers = [r[self.nodes[p]] for p in lay.pull_readers if self.nodes[p] in r]
+            if pulls:
+                m.add_bool_or(readers)  # none to recompute: no plan
+            else:
+                for x in readers:
+                    m.add(x == 0)
         costs = {v: int(cost_of(v)) for v in M if not is_const(r[v])}
         self.cost = m.new_int_var(0, sum(c for c in costs.values() if c > 0), "cost")
         m.add(self.cost == sum(c * r[v] for v, c in costs.items() if c > 0))
@@ -54,7 +81,13 @@ class _BlockModel:
         in_m = set(M)
         st = {v: m.new_int_var(0, B - 1, f"st_{v}") for v in M}
         first = {v: m.new_int_var(0, B - 1, f"first_{v}") for v in M}
-        add_first_need(m, cg, M, r, direct_first, B, first, st)
+        more_reads = {}
+        if self.pulled is not None:  # the pull's step: the window's last but one, or none (B - 1)
+            at = m.new_int_var(0, B - 1, "pull_at")
+            m.add(at == self.ws - 1).only_enforce_if(self.pulled)
+            m.add(at == B - 1).only_enforce_if(~self.pulled)
+            more_reads[self.boundary] = [at]
+        add_first_need(m, cg, M, r, direct_first, B, first, st, more_reads)
         rc_readers: dict[str, set[str]] = {}
         for u in M:
             for p in cg.preds(u):
@@ -70,8 +103,10 @@ class _BlockModel:
             size = cg.attr(v, "bytes") // unit
             lo = max(lay.sreads.get(v, ()), default=None)  # backward's last read (views included)
             # the value's life as the full model has it (parts), then clipped to the window
+            pull = [(self.ws - 1, self.pulled)] if v == self.boundary and self.pulled is not None else ()
             last, rc_start = add_value_life(m, cg, v, r, st, F, rc_readers.get(v, ()), in_m,
-                                            last_bounds=(bw_time(F, lo) if lo is not None else 0, T), rc_bounds=(0, T))
+                                            last_bounds=(bw_time(F, lo) if lo is not None else 0, T), rc_bounds=(0, T),
+                                            more_last=pull)
             lasts[v] = last
             end = m.new_int_var(t0 - 1, t1, f"end_{v}")
             m.add_min_equality(end, [last, t1])
@@ -110,7 +145,21 @@ class _BlockModel:
         if memory:
             m.add_cumulative(intervals, demands, self.W)
 
-        # H = min(F, D) (module docstring, 1): F the bytes saved (``held``); D the bytes certainly
+        if lay.pull is not None:
+            # a pulled boundary's layout (module docstring, 4): H is F read, the bytes saved that backward
+            # reads at all (a save nothing reads is free), held until the blocks' backward begins
+            read = []
+            for v in cands:
+                any_read = m.new_bool_var(f"ar_{v}")
+                m.add(lasts[v] >= F).only_enforce_if(any_read)
+                m.add(lasts[v] <= F - 1).only_enforce_if(~any_read)
+                saved_read = m.new_bool_var(f"sr_{v}")
+                m.add_min_equality(saved_read, [s[v], any_read])
+                read.append(cg.attr(v, "bytes") // unit * saved_read)
+            self.H = m.new_int_var(0, sum(cg.attr(v, "bytes") // unit for v in cands), "H")
+            m.add(self.H == sum(read))
+            return
+        # H = min(F, D) (module docstring, 3): F the bytes saved (``held``); D the bytes certainly
         # live once the boundary's recomputation has run: saved values read at or after t0, the
         # boundary itself, and the values recomputed with it (before the window) read at or after t0
         boundary = [v for v in cands if lay.sreads.get(v) and max(lay.sreads[v]) < self.ws]

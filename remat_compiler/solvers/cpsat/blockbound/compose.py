@@ -2,6 +2,8 @@
 (:func:`_compose`, on a :class:`_Frame`)."""
 from __future__ import annotations
 
+import numpy as np
+
 
 
 from remat_compiler.graph import CostGraph
@@ -16,7 +18,8 @@ __all__ = ["_Frame", "_compose", "fits"]
 class _Frame:
     """What the dynamic programme needs beyond the menu: per block, the fixed memory of its window
     relative to the reference block's (at its least) and the least memory during its forward; and
-    the least memory of the head's window, before its first read of a block's value."""
+    the least memory of the head's forward and window, before its first read of a block's value
+    (where boundaries are pulled, ``head`` is the forward's and ``head_bw`` the window's)."""
 
     def __init__(self, cg: CostGraph, lay: _Layout, fixed, k: int):
         F = lay.F
@@ -34,46 +37,132 @@ class _Frame:
                              cg.attr(v, "bytes")) for v in lay.nodes[m] if v in cands])
             span = range(cg.fw_index[lay.nodes[m][0]], cg.fw_index[lay.nodes[m][-1]] + 1)
             self.forward.append(max(load(t) + own(t) for t in span))
-        times = [F - 1] + [bw_time(F, j, slot) for j in range(lay.tau_head) for slot in (0, None)]
-        self.head = max(load(t) for t in times)
+        # the head's forward (its logits and loss, beside every block's held bytes) and its window
+        fw_times = list(range(cg.fw_index[lay.nodes[-1][-1]] + 1, F))
+        bw_times = [bw_time(F, j, slot) for j in range(lay.tau_head) for slot in (0, None)]
+        self.pulled = lay.pull is not None
+        if self.pulled:
+            self.head = max(load(t) for t in fw_times)
+            self.head_bw = max((load(t) for t in bw_times), default=0)
+        else:
+            self.head = max(load(t) for t in fw_times + bw_times)
+            self.head_bw = 0
 
 
-def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int):
+def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool = False):
     """Least summed cost of one option per block with, for every block ``m``,
     ``W_m + off_m + sum_{j<m} H_j`` and ``forward_m + sum_{j<m} H_j`` within the budget, and
     ``head + sum_j H_j`` too: a dynamic programme over blocks in forward order on the Pareto front
-    of (summed H, cost). Returns (cost, option index per block), or None when nothing fits."""
-    by_w = sorted(range(len(menu)), key=lambda i: menu[i].W)
-    states = [(0, 0, None)]  # (summed H of the blocks before, cost, back pointer)
-    history = []
+    of (summed H, cost), each block's step over every state and option at once (numpy: a bfloat16
+    Mistral-7B block's menu has hundreds of options and the front thousands of states). Where
+    boundaries are pulled (``frame.pulled``; module docstring of :mod:`..blockbound`, 4) H is
+    what a block holds until the blocks' backward begins: the windows are ``W_m + off_m`` alone,
+    the head's backward its fixed memory, and consecutive blocks' variants agree
+    (:func:`_compose_pulled`; ``plans``: the options are plans, composed on what they save). Returns
+    (cost, option index per block), or None when nothing fits."""
+    if frame.pulled:
+        return _compose_pulled(menu, frame, budget, plans=plans)
+    by_w = np.array(sorted(range(len(menu)), key=lambda i: menu[i].W), dtype=np.int64)  # ties: by W
+    H = np.array([menu[i].H for i in by_w], dtype=np.int64)
+    W = np.array([menu[i].W for i in by_w], dtype=np.int64)
+    cost = np.array([menu[i].cost for i in by_w], dtype=np.int64)
+    # a pulled boundary's variants (:mod:`.variants`): block m's ``pulled`` must be block m + 1's
+    # ``pulls``; -1: no variant (any neighbour)
+    pulled = np.array([-1 if menu[i].variant is None else menu[i].variant[0] for i in by_w], dtype=np.int64)
+    pulls = np.array([-1 if menu[i].variant is None else menu[i].variant[1] for i in by_w], dtype=np.int64)
+    # the front: summed H, cost, and the last block's ``pulled``
+    S, C, P = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
+    history = []  # per block: (state index, option index) of each front entry
     for off, fw in zip(frame.offsets, frame.forward):
-        nxt = []
-        for si, (S, C, _) in enumerate(states):
-            if S + fw > budget:
-                continue
-            for i in by_w:
-                if menu[i].W + off + S > budget:
-                    break
-                nxt.append((S + menu[i].H, C + menu[i].cost, (si, i)))
-        if not nxt:
+        live = S + fw <= budget
+        ok = live[:, None] & ((0 if frame.pulled else S[:, None]) + W[None, :] + off <= budget)
+        ok &= (P[:, None] < 0) | (pulls[None, :] < 0) | (P[:, None] == pulls[None, :])
+        si, oi = np.nonzero(ok)
+        if si.size == 0:
             return None
-        nxt.sort(key=lambda item: (item[0], item[1]))
-        front = []
-        for item in nxt:  # keep the states no state of smaller summed H beats on cost
-            if not front or item[1] < front[-1][1]:
-                front.append(item)
-        history.append(front)
-        states = front
-    final = [(C, i) for i, (S, C, _) in enumerate(states) if S + frame.head <= budget]
-    if not final:
+        nS, nC, nP = S[si] + H[oi], C[si] + cost[oi], pulled[oi]
+        order = np.lexsort((nC, nS, nP))  # by the last block's variant, summed H, then cost
+        nS, nC, nP, si, oi = nS[order], nC[order], nP[order], si[order], oi[order]
+        # keep the states no state of the same variant and smaller (or equal) summed H beats on cost
+        keep = np.zeros(nS.size, dtype=bool)
+        for p in np.unique(nP):
+            at = np.nonzero(nP == p)[0]
+            before = np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(nC[at])[:-1]))
+            keep[at] = nC[at] < before
+        S, C, P = nS[keep], nC[keep], nP[keep]
+        history.append((si[keep], oi[keep]))
+    final = np.nonzero(S + frame.head <= budget)[0]
+    if final.size == 0 or frame.head_bw > budget:
         return None
-    cost, i = min(final)
+    i = int(final[np.argmin(C[final])])
+    best = int(C[i])
     choice = []
-    for front in reversed(history):
-        si, opt = front[i][2]
-        choice.append(opt)
-        i = si
-    return cost, choice[::-1]
+    for si, oi in reversed(history):
+        choice.append(int(by_w[oi[i]]))
+        i = int(si[i])
+    return best, choice[::-1]
+
+
+#: The most points of the summed-H lattice :func:`_compose_pulled` keeps (a coarser step past it)
+LATTICE_MAX = 1 << 15
+
+
+def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool):
+    """:func:`_compose` where boundaries are pulled. A block's window no longer depends on what the
+    blocks before it hold, so each option is allowed or not per block by its own ``W``, and of the
+    allowed options with the same H and variant only the cheapest matters: a min-plus programme on a
+    lattice of summed H (the menu's H are its bands' labels, multiples of one step: on a 70B stack of
+    80 blocks, 1,668 options, the Pareto programme took 110 s), one cost array per ``pulled`` of the
+    last block. Where the step is finer than ``budget / LATTICE_MAX`` a coarser one is taken, H
+    rounded down for a bound (a relaxation) and up for ``plans`` (what fits so, fits)."""
+    H = np.array([o.H for o in menu], dtype=np.int64)
+    W = np.array([o.W for o in menu], dtype=np.int64)
+    cost = np.array([o.cost for o in menu], dtype=np.int64)
+    pulled = np.array([o.variant[0] for o in menu], dtype=np.int64)
+    pulls = np.array([o.variant[1] for o in menu], dtype=np.int64)
+    step = int(np.gcd.reduce(H[H > 0])) if (H > 0).any() else 1
+    if budget // step + 1 > LATTICE_MAX:
+        step = -(-budget // (LATTICE_MAX - 1))
+    h = -(-H // step) if plans else H // step
+    n = budget // step + 1
+    inf = np.iinfo(np.int64).max // 4
+    best = np.full((2, n), inf, dtype=np.int64)
+    best[:, 0] = 0  # the first block may recompute a reader of what comes before the blocks, or not
+    history = []  # per block: the option taken at each (pulled, summed H)
+    groups: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    for off, fw in zip(frame.offsets, frame.forward):
+        limit = (budget - fw) // step  # a lattice point's bytes are at most (a bound) or least (plans) its H's
+        best[:, max(0, limit + 1):] = inf  # the blocks before hold too much for this block's forward
+        if off not in groups:  # the cheapest allowed option per (H, variant)
+            cheapest: dict[tuple[int, int, int], int] = {}
+            for i in np.nonzero(W + off <= budget)[0]:
+                key = (int(h[i]), int(pulled[i]), int(pulls[i]))
+                if key not in cheapest or cost[i] < cost[cheapest[key]]:
+                    cheapest[key] = int(i)
+            groups[off] = [(hh, p, q, int(cost[i]), i) for (hh, p, q), i in cheapest.items() if hh < n]
+        new = np.full((2, n), inf, dtype=np.int64)
+        arg = np.full((2, n), -1, dtype=np.int64)
+        for hh, p, q, c, i in groups[off]:
+            cand = best[q, :n - hh] + c
+            better = cand < new[p, hh:]
+            new[p, hh:][better] = cand[better]
+            arg[p, hh:][better] = i
+        best = new
+        history.append(arg)
+    head = (budget - frame.head) // step
+    if head < 0 or frame.head_bw > budget:
+        return None
+    ends = best[:, :head + 1]
+    if ends.min() >= inf:
+        return None
+    p, s = np.unravel_index(int(np.argmin(ends)), ends.shape)
+    total = int(ends[p, s])
+    choice = []
+    for arg in reversed(history):
+        i = int(arg[p, s])
+        choice.append(i)
+        p, s = int(pulls[i]), s - int(h[i])
+    return total, choice[::-1]
 
 
 def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
@@ -84,8 +173,8 @@ def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
     hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan)."""
     held = saved = 0
     for o, off, fw in zip(points, frame.offsets, frame.forward):
-        if saved + fw > budget or o.W + off + held > budget:
+        if saved + fw > budget or o.W + off + (0 if frame.pulled else held) > budget:
             return False
         held += o.H
         saved += o.H if o.F is None else o.F
-    return saved + frame.head <= budget
+    return saved + frame.head <= budget and frame.head_bw <= budget

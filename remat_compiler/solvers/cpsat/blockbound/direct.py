@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from remat_compiler.clock import Deadline
 from remat_compiler.solvers.cpsat.blockbound.compose import _Frame, fits
-from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint, _staircase
+from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint, _staircase
+from remat_compiler.solvers.cpsat.blockbound.variants import _Menus
 
 __all__ = ["direct_plans"]
 
 
-def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: list[int], frame: _Frame,
+def direct_plans(menu: _Menus, options: list[_MenuPoint], stand: list, choice: list[int], frame: _Frame,
                  budget: int, deadline: Deadline, workers: int = 2) -> list[_MenuPoint] | None:
     """One block plan per block for ``choice`` (option indices into ``options``; ``stand[i]`` the band
     or ``(band, point)`` option ``i`` stands for, None for a found plan): found plans kept, each
@@ -31,7 +32,7 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     head's spare bytes, under the window peak the choice then leaves (ties to the least W). None if a
     block has no such plan, a solve is not proven by ``deadline``, or the plans do not fit together
     (:func:`~.compose.fits`)."""
-    unit = menu.bm.unit
+    unit = menu.menus[0][1].bm.unit  # the variants' models share the block's unit
     # a stand-in's H is its band's least; the plans found may hold more, and until the head's first
     # read of a block they hold all they save (F, :func:`~.compose.fits`): each gets an equal share of
     # what the head's window leaves over the labels and the kept plans' F, capping both its H and its
@@ -43,14 +44,16 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     for m, i in enumerate(choice):
         item, h = stand[i], options[i].H
         if item is not None:
+            mi, item = item
             b = item if not isinstance(item, tuple) else item[0]
-            h_cap = min(menu.edges[b + 1], h + spare) // unit
+            h_cap = min(menu.menus[mi][1].edges[b + 1], h + spare) // unit
             w_cap = (budget - frame.offsets[m] - held) // unit
-            wanted.setdefault((h_cap, w_cap, (h + spare) // unit), []).append(m)
+            wanted.setdefault((mi, h_cap, w_cap, (h + spare) // unit), []).append(m)
             h = h_cap * unit
         held += h
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        found = dict(zip(wanted, pool.map(lambda caps: _cheapest(menu, *caps, deadline), wanted)))
+        found = dict(zip(wanted, pool.map(lambda caps: _cheapest(menu.menus[caps[0]], *caps[1:], deadline),
+                                          wanted)))
     if any(p is None for p in found.values()):
         return None
     points = [options[i] for i in choice]
@@ -60,11 +63,15 @@ def direct_plans(menu: _Menu, options: list[_MenuPoint], stand: list, choice: li
     return points if fits(points, frame, budget) else None
 
 
-def _cheapest(menu: _Menu, h_cap: int, w_cap: int, f_cap: int, deadline: Deadline) -> _MenuPoint | None:
+def _cheapest(menu: tuple, h_cap: int, w_cap: int, f_cap: int, deadline: Deadline) -> _MenuPoint | None:
     """The block plan of least cost with ``H <= h_cap``, ``W <= w_cap`` and ``F <= f_cap`` (model
     units): the first step of the staircase of cost over W under those caps
     (:func:`~.menu._staircase`); None if there is none or it is not proven by the deadline."""
     if w_cap < 0:
         return None
+    variant, menu = menu
     points = _staircase(menu.bm, menu.bm.W, deadline, H_cap=h_cap, cap=w_cap, below=lambda x: None, F_cap=f_cap)
-    return points[0] if points else None
+    if not points:
+        return None
+    points[0].variant = variant
+    return points[0]

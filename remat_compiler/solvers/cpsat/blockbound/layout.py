@@ -47,12 +47,25 @@ class _Layout:
             if not steps:
                 return
             first_read.append(min(steps))
-        if any(first_read[m - 1] < ws[m] for m in range(1, L)):
-            return  # a block's values are read before the next block's window
-        self.tau = [None] + [first_read[m - 1] for m in range(1, L)]
-        self.tau_head = first_read[L - 1]
-        if self.tau_head >= ws[L - 1]:
-            return
+        self.pull = None
+        if all(first_read[m] >= ws[m] for m in range(L)):
+            # no block's value is read by backward before its own window (a bfloat16 stack: the
+            # residual sum is read by the next block's forward only, its backward reads the float32
+            # copy): the next block's recomputation may *pull* the boundary (module docstring, 4);
+            # a block holds its share until its own window starts
+            self.pull = self._pulled_boundary(cg)
+            if self.pull is None or any(max(j for v in self.nodes[m] for j in reads.get(v, ())) >= ws[m - 1]
+                                        for m in range(1, L)):
+                return  # a block's values read after its window: another block's business
+            self.tau = [None] + [ws[m - 1] for m in range(1, L)]
+            self.tau_head = ws[L - 1]
+        else:
+            if any(first_read[m - 1] < ws[m] for m in range(1, L)):
+                return  # a block's values are read before the next block's window
+            self.tau = [None] + [first_read[m - 1] for m in range(1, L)]
+            self.tau_head = first_read[L - 1]
+            if self.tau_head >= ws[L - 1]:
+                return
         rel_tau = {self.tau[m] - ws[m] for m in range(1, L)}
         if len(rel_tau) != 1:
             return
@@ -73,6 +86,9 @@ class _Layout:
                 for n in self.nodes[m]))
         if len(sigs) != 1:
             return
+        if self.pull is not None:
+            self.ok = True
+            return
         # a block's values read by forward nodes outside it (whose recomputation could read them at
         # any time) must be boundaries: read directly by backward before the block's window, so
         # live until then in every plan
@@ -85,6 +101,42 @@ class _Layout:
                 if outside and not any(j < ws[m] for j in reads.get(v, ())):
                     return
         self.ok = True
+
+
+    def _pulled_boundary(self, cg: CostGraph) -> int | None:
+        """Where no block's value is read by backward before its window: the position in its block
+        of the one value each block's successor (the head, for the last) reads in forward, the
+        same in every block; None where there is not exactly one, or another block reads it."""
+        found = set()
+        for m in range(self.L):
+            inside = set(self.nodes[m])
+            nxt = set(self.nodes[m + 1]) if m + 1 < self.L else None
+            later = set().union(*self.nodes[m + 1:]) if m + 1 < self.L else set()
+            out = []
+            for p, v in enumerate(self.nodes[m]):
+                if cg.is_available_in_bw(v):
+                    continue
+                outside = [u for u in cg.g.successors(v) if cg.attr(u, "phase") == "fw" and u not in inside]
+                if not outside:
+                    continue
+                if nxt is not None and any(u not in nxt for u in outside):
+                    return None
+                if nxt is None and any(u in later or cg.attr(u, "block") in self.blocks for u in outside):
+                    return None
+                out.append(p)
+            if len(out) != 1:
+                return None
+            found.add(out[0])
+        if len(found) != 1:
+            return None
+        pull = found.pop()
+        # the positions, in a block, of the nodes reading the previous block's boundary: the same in each
+        readers = {tuple(p for p, u in enumerate(self.nodes[m]) if self.nodes[m - 1][pull] in cg.preds(u))
+                   for m in range(1, self.L)}
+        if len(readers) != 1:
+            return None
+        self.pull_readers = readers.pop()
+        return pull
 
 
 class _Profile:

@@ -40,6 +40,7 @@ class _MenuPoint:
     w_range: tuple[int, int] | None = None
     granule: int = 0  # a W stand-in's: the bands of W (bytes) its range was cut from
     F: int | None = None  # a plan's saved bytes (all live until the head's first read of a block)
+    variant: tuple[int, int] | None = None  # its menu's (pulled, pulls) (:mod:`.variants`)
 
 
 def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None = None, below=None,
@@ -67,22 +68,26 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
             m.add(_clone_var(m, bm.H) <= H_cap)
         if F_cap is not None:
             m.add(_clone_var(m, bm.held) <= F_cap)
-        m.minimize(_clone_var(m, bm.cost) * (hi + 1) + x_var)
-        solver = new_solver()
-        solver.parameters.num_workers = 1
-        # small models: probing and the LP cost more than they save (the benchmark GPT-2's block: its
-        # menu's 77 solves took 6.8 s so, 10.5 s with linearization level 1, 253 s with level 2)
-        solver.parameters.cp_model_probing_level = 0
-        solver.parameters.linearization_level = 0
-        solver.parameters.max_time_in_seconds = left
-        status = run_solver(solver, m)
+        cost_var = _clone_var(m, bm.cost)
+        cdom = cost_var.proto.domain
+        one_objective = cdom[len(cdom) - 1] * (hi + 1) + hi < 2 ** 62
+        # cost first, then the measure: in one objective where it fits CP-SAT's 64-bit integers, else
+        # (a 70B block's W in 512-byte units) in two solves, the second at the first's cost
+        m.minimize(cost_var * (hi + 1) + x_var if one_objective else cost_var)
+        status, solver = _solve_small(m, left)
         if solves is not None:
             solves.append(1)
         if status == cp_model.INFEASIBLE:
             return options
         if status != cp_model.OPTIMAL:
             return None
-        cost, x = divmod(int(round(solver.objective_value)), hi + 1)
+        if not one_objective:
+            m.add(cost_var == solver.value(cost_var))
+            m.minimize(x_var)
+            status, solver = _solve_small(m, deadline.left())
+            if status != cp_model.OPTIMAL:
+                return None
+        cost, x = solver.value(cost_var), solver.value(x_var)
         if floor is not None and x <= floor:
             return options
         options.append(_MenuPoint(
@@ -94,6 +99,18 @@ def _staircase(bm: _BlockModel, measure, deadline: Deadline, H_cap: int | None =
         cap = x - 1 if below is None else below(x)
         if cap is None:
             return options
+
+
+def _solve_small(m: cp_model.CpModel, seconds: float):
+    """A block model's solve on one worker: (status, solver)."""
+    solver = new_solver()
+    solver.parameters.num_workers = 1
+    # small models: probing and the LP cost more than they save (the benchmark GPT-2's block: its
+    # menu's 77 solves took 6.8 s so, 10.5 s with linearization level 1, 253 s with level 2)
+    solver.parameters.cp_model_probing_level = 0
+    solver.parameters.linearization_level = 0
+    solver.parameters.max_time_in_seconds = max(0.01, seconds)
+    return run_solver(solver, m), solver
 
 
 def _least(bm: _BlockModel, measure, deadline: Deadline) -> int | None:
@@ -118,8 +135,10 @@ def _levels_and_w_min(bm: _BlockModel, bm_h: _BlockModel, granule: int, deadline
     cost under that edge, the lower half's first point."""
     below = lambda x: _edge_below(x, bm.unit, granule)  # noqa: E731
     top = _staircase(bm_h, bm_h.H, deadline, below=lambda x: None)
-    if not top:  # not proven in time (a block has a plan: save everything)
+    if top is None:  # not proven in time
         return None, None
+    if not top:  # no plan (a block's variant may have none: :mod:`.variants`)
+        return [], None
     x0 = top[0].H // bm.unit
     cap, mid = below(x0), below(x0 // 2 + 1)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -184,6 +203,7 @@ class _Menu:
         # against an edge: one solve per edge the staircase steps over is enough (on GPT-2's block
         # traced for Inductor, 222 steps of one unit took 34 s; see _edge_below)
         self.levels, self.w_min = _levels_and_w_min(bm, bm_h, granule, deadline)
+        self.empty = self.levels == []
         self.ok = self.levels is not None and self.w_min is not None
         if not self.ok:
             return
