@@ -80,7 +80,7 @@ from remat_compiler.clock import Deadline
 from remat_compiler.graph import CostGraph, representative_block
 from remat_compiler.schedule import bw_time
 from remat_compiler.solvers.cpsat.blockbound.block_model import _BlockModel
-from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame
+from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame, fits
 from remat_compiler.solvers.cpsat.blockbound.direct import direct_plans
 from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
 from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint
@@ -198,8 +198,15 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
                               saved_cost=None if points is None else sum(o.cost for o in points),
                               block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                               time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
-    return BlockBound(bound=cost, saved=_composed(cg, lay, options, choice), saved_cost=cost,
-                      block_candidates=_block_candidates(cg, lay), menu_size=len(options),
+    points, plan_cost, exact = [options[i] for i in choice], cost, True
+    if lay.pull is not None and not fits(points, frame, budget_bytes):
+        # the bound's windows leave out what the blocks below hold (a pull may have freed it): its
+        # choice may not fit as composed, the plans found so far charged so may
+        found_plans = _plans_composed(options, frame, budget_bytes)
+        if found_plans is not None:
+            points, plan_cost, exact = found_plans, sum(o.cost for o in found_plans), False
+    return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))), saved_cost=plan_cost,
+                      exact=exact, block_candidates=_block_candidates(cg, lay), menu_size=len(options),
                       time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
 
 

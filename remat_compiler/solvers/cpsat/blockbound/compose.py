@@ -103,8 +103,10 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool 
     return best, choice[::-1]
 
 
-#: The most points of the summed-H lattice :func:`_compose_pulled` keeps (a coarser step past it)
+#: The most points of the summed-H lattice :func:`_compose_pulled` keeps (a coarser step past it), for
+#: a bound and for plans (whose H, their saved bytes, share no step, and whose windows are charged)
 LATTICE_MAX = 1 << 15
+PLAN_LATTICE_MAX = 1 << 12
 
 
 def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool):
@@ -120,9 +122,11 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     cost = np.array([o.cost for o in menu], dtype=np.int64)
     pulled = np.array([o.variant[0] for o in menu], dtype=np.int64)
     pulls = np.array([o.variant[1] for o in menu], dtype=np.int64)
+    rank = [(o.cost, o.W, o.H if o.F is None else o.F) for o in menu]
     step = int(np.gcd.reduce(H[H > 0])) if (H > 0).any() else 1
-    if budget // step + 1 > LATTICE_MAX:
-        step = -(-budget // (LATTICE_MAX - 1))
+    most = PLAN_LATTICE_MAX if plans else LATTICE_MAX
+    if budget // step + 1 > most:
+        step = -(-budget // (most - 1))
     h = -(-H // step) if plans else H // step
     n = budget // step + 1
     inf = np.iinfo(np.int64).max // 4
@@ -133,16 +137,19 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     for off, fw in zip(frame.offsets, frame.forward):
         limit = (budget - fw) // step  # a lattice point's bytes are at most (a bound) or least (plans) its H's
         best[:, max(0, limit + 1):] = inf  # the blocks before hold too much for this block's forward
-        if off not in groups:  # the cheapest allowed option per (H, variant)
+        if off not in groups:  # the cheapest allowed option per (H, variant); of those, the least W
+            # (what its window adds to the blocks below), then the least saved bytes
             cheapest: dict[tuple[int, int, int], int] = {}
             for i in np.nonzero(W + off <= budget)[0]:
                 key = (int(h[i]), int(pulled[i]), int(pulls[i]))
-                if key not in cheapest or cost[i] < cost[cheapest[key]]:
+                if key not in cheapest or rank[i] < rank[cheapest[key]]:
                     cheapest[key] = int(i)
             groups[off] = [(hh, p, q, int(cost[i]), i) for (hh, p, q), i in cheapest.items() if hh < n]
         new = np.full((2, n), inf, dtype=np.int64)
         arg = np.full((2, n), -1, dtype=np.int64)
-        for hh, p, q, c, i in groups[off]:
+        if plans:
+            _step_charged(new, arg, best, h, W, cost, pulled, pulls, budget - off, step)
+        for hh, p, q, c, i in ([] if plans else groups[off]):
             cand = best[q, :n - hh] + c
             better = cand < new[p, hh:]
             new[p, hh:][better] = cand[better]
@@ -165,6 +172,33 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     return total, choice[::-1]
 
 
+def _step_charged(new, arg, best, h, W, cost, pulled, pulls, room: int, step: int) -> None:
+    """One block's step of :func:`_compose_pulled` for plans, each window charged what the blocks
+    below save (at most a lattice point's bytes): option ``i`` is allowed at summed H ``s`` where
+    ``W_i + s * step <= room``; per (H, variant), the cheapest of those allowed, by a prefix minimum
+    over the options in order of W."""
+    n = new.shape[1]
+    inf = np.iinfo(np.int64).max // 4
+    caps = room - np.arange(n, dtype=np.int64) * step
+    keys: dict[tuple[int, int, int], list[int]] = {}
+    for i in range(len(h)):
+        if h[i] < n:
+            keys.setdefault((int(h[i]), int(pulled[i]), int(pulls[i])), []).append(i)
+    for (hh, p, q), idx in keys.items():
+        idx = np.array(sorted(idx, key=lambda i: (W[i], cost[i])), dtype=np.int64)
+        ws, cs = W[idx], cost[idx]
+        at = np.zeros(cs.size, dtype=np.int64)  # the cheapest among the first k + 1, by position
+        for k in range(1, cs.size):
+            at[k] = k if cs[k] < cs[at[k - 1]] else at[k - 1]
+        pos = np.searchsorted(ws, caps[:n - hh], side="right") - 1
+        ok = pos >= 0
+        c_s = np.where(ok, cs[at[np.maximum(pos, 0)]], inf)
+        cand = best[q, :n - hh] + c_s
+        better = ok & (cand < new[p, hh:])
+        new[p, hh:][better] = cand[better]
+        arg[p, hh:][better] = idx[at[np.maximum(pos, 0)]][better]
+
+
 def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
     """Whether these block plans (one per block, forward order) meet the composition's constraints:
     each block's window and forward, and the head's window, under ``budget`` with the held bytes of
@@ -173,7 +207,7 @@ def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
     hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan)."""
     held = saved = 0
     for o, off, fw in zip(points, frame.offsets, frame.forward):
-        if saved + fw > budget or o.W + off + (0 if frame.pulled else held) > budget:
+        if saved + fw > budget or o.W + off + (saved if frame.pulled else held) > budget:
             return False
         held += o.H
         saved += o.H if o.F is None else o.F
