@@ -137,6 +137,13 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     for off, fw in zip(frame.offsets, frame.forward):
         limit = (budget - fw) // step  # a lattice point's bytes are at most (a bound) or least (plans) its H's
         best[:, max(0, limit + 1):] = inf  # the blocks before hold too much for this block's forward
+        new = np.full((2, n), inf, dtype=np.int64)
+        arg = np.full((2, n), -1, dtype=np.int64)
+        if plans:
+            _step_charged(new, arg, best, h, W, cost, pulled, pulls, budget - off, step)
+            best = new
+            history.append(arg)
+            continue
         if off not in groups:  # the cheapest allowed option per (H, variant); of those, the least W
             # (what its window adds to the blocks below), then the least saved bytes
             cheapest: dict[tuple[int, int, int], int] = {}
@@ -145,11 +152,7 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
                 if key not in cheapest or rank[i] < rank[cheapest[key]]:
                     cheapest[key] = int(i)
             groups[off] = [(hh, p, q, int(cost[i]), i) for (hh, p, q), i in cheapest.items() if hh < n]
-        new = np.full((2, n), inf, dtype=np.int64)
-        arg = np.full((2, n), -1, dtype=np.int64)
-        if plans:
-            _step_charged(new, arg, best, h, W, cost, pulled, pulls, budget - off, step)
-        for hh, p, q, c, i in ([] if plans else groups[off]):
+        for hh, p, q, c, i in groups[off]:
             cand = best[q, :n - hh] + c
             better = cand < new[p, hh:]
             new[p, hh:][better] = cand[better]
@@ -204,7 +207,9 @@ def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
     each block's window and forward, and the head's window, under ``budget`` with the held bytes of
     the blocks below (:func:`_compose`). Until the head first reads a block's value nothing of the
     blocks has been recomputed or freed, so there (each block's forward, the head) a plan's blocks
-    hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan)."""
+    hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan).
+    Where boundaries are pulled the windows are charged ``F`` too, as :func:`_compose_pulled` charges
+    plans (the bound's windows charge nothing: a pull may have freed it)."""
     held = saved = 0
     for o, off, fw in zip(points, frame.offsets, frame.forward):
         if saved + fw > budget or o.W + off + (saved if frame.pulled else held) > budget:
