@@ -56,6 +56,17 @@ def test_bound_is_below_every_fitting_plan(d, h, batch):
     plan that fits (all 2^13 saved sets simulated), and it is not vacuous."""
     cg = _stack(d, h, batch)
     assert len(cg.candidates) == 13
+    for objective, costs in _bounded_below_every_plan(cg):
+        # below the least peak of any plan nothing fits, and the bound says so
+        least = min(peak for peak, _ in costs)
+        assert block_bound(cg, least // 2, lambda n: cost_units(cg, n, objective),
+                           deadline=Deadline(10)).bound == float("inf")
+
+
+def _bounded_below_every_plan(cg):
+    """Every saved set of ``cg`` simulated; for both objectives, at every budget a plan reaches,
+    the bound is at most the cheapest plan that fits, and above 0 at some. Yields each objective
+    and its (peak, cost) of every plan."""
     plans = []
     for k in range(len(cg.candidates) + 1):
         for subset in itertools.combinations(cg.candidates, k):
@@ -69,11 +80,8 @@ def test_bound_is_below_every_fitting_plan(d, h, batch):
             found = block_bound(cg, budget, lambda n: cost_units(cg, n, objective), deadline=Deadline(60))
             assert found is not None and found.bound <= best, (objective, budget, found, best)
             positive += found.bound > 0
-        assert positive >= 1
-        # below the least peak of any plan nothing fits, and the bound says so
-        least = min(peak for peak, _ in costs)
-        assert block_bound(cg, least // 2, lambda n: cost_units(cg, n, objective),
-                           deadline=Deadline(10)).bound == float("inf")
+        assert positive >= 1, objective
+        yield objective, costs
 
 
 def test_blocks_that_differ_are_not_decomposed():
@@ -478,17 +486,4 @@ def test_a_stack_whose_boundaries_only_forward_reads_is_bounded_below_every_fitt
     _, cg = rc.analyze(PulledStack(3, 16, 64), (torch.randn(256, 16, requires_grad=True),))
     lay = _Layout(cg)
     assert lay.ok and lay.pull is not None and len(cg.candidates) == 14
-    plans = []
-    for k in range(len(cg.candidates) + 1):
-        for subset in itertools.combinations(cg.candidates, k):
-            schedule = build_schedule(cg, subset)
-            plans.append((simulate(cg, schedule).peak_bytes, schedule.recomputed))
-    for objective in ("flops", "runtime"):
-        costs = [(peak, sum(cost_units(cg, n, objective) for n in rec)) for peak, rec in plans]
-        positive = 0
-        for budget in sorted({peak for peak, _ in costs}):
-            best = min(c for peak, c in costs if peak <= budget)
-            found = block_bound(cg, budget, lambda n: cost_units(cg, n, objective), deadline=Deadline(60))
-            assert found is not None and found.bound <= best, (objective, budget, found, best)
-            positive += found.bound > 0
-        assert positive >= 1, objective
+    assert [objective for objective, _ in _bounded_below_every_plan(cg)] == ["flops", "runtime"]
