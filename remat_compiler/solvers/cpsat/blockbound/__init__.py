@@ -202,6 +202,7 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     if lay.pull is not None and not fits(points, frame, budget_bytes):
         # the bound's windows leave out what the blocks below hold (a pull may have freed it): its
         # choice may not fit as composed, the plans found so far charged so may
+        exact = False
         found_plans = _plans_composed(options, frame, budget_bytes)
         if found_plans is not None:
             points, plan_cost, exact = found_plans, sum(o.cost for o in found_plans), False
