@@ -40,17 +40,21 @@ def direct_plans(menu: _Menus, options: list[_MenuPoint], stand: list, choice: l
     labelled = sum(options[i].H if stand[i] is not None or options[i].F is None else options[i].F
                    for i in choice)
     spare = max(0, budget - frame.head - labelled) // max(1, sum(stand[i] is not None for i in choice))
-    held, wanted = 0, {}
+    # where boundaries are pulled, the windows are charged what the blocks below save (:func:`fits`)
+    held = saved = 0
+    wanted = {}
     for m, i in enumerate(choice):
         item, h = stand[i], options[i].H
+        f = h if options[i].F is None else options[i].F
         if item is not None:
             mi, item = item
             b = item if not isinstance(item, tuple) else item[0]
             h_cap = min(menu.menus[mi][1].edges[b + 1], h + spare) // unit
-            w_cap = (budget - frame.offsets[m] - held) // unit
+            w_cap = (budget - frame.offsets[m] - (saved if frame.pulled else held)) // unit
             wanted.setdefault((mi, h_cap, w_cap, (h + spare) // unit), []).append(m)
-            h = h_cap * unit
+            h, f = h_cap * unit, h + spare
         held += h
+        saved += f
     with ThreadPoolExecutor(max_workers=workers) as pool:
         found = dict(zip(wanted, pool.map(lambda caps: _cheapest(menu.menus[caps[0]], *caps[1:], deadline),
                                           wanted)))
