@@ -205,7 +205,7 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         exact = False
         found_plans = _plans_composed(options, frame, budget_bytes)
         if found_plans is not None:
-            points, plan_cost, exact = found_plans, sum(o.cost for o in found_plans), False
+            points, plan_cost = found_plans, sum(o.cost for o in found_plans)
     return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))), saved_cost=plan_cost,
                       exact=exact, block_candidates=_block_candidates(cg, lay), menu_size=len(options),
                       time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)

@@ -48,20 +48,18 @@ class _BlockModel:
                                   + [size for *_, size in window_fixed], 0) or 1
         m = cp_model.CpModel()
         direct_first = {v: min(lay.reads[v]) for v in M if lay.reads.get(v)}
-        s, r, need = add_decisions(m, cg, M, set(direct_first))
-        # the pulled boundary (module docstring, 4): the next block's recomputation may need it at
-        # any step before the window, taken here at the last one where ``pulled``
-        self.boundary = self.nodes[lay.pull] if lay.pull is not None else None
-        self.pulled = m.new_bool_var("pulled") if self.boundary in M else None
-        if self.pulled is not None:
-            m.add_implication(self.pulled, need[self.boundary])
-        if variant is not None:  # (pulled, pulls): this block's boundary taken, the previous one's taken
-            pulled, pulls = variant
-            if self.pulled is None:
-                if pulled:
-                    m.add_bool_or([])  # a boundary the block does not keep cannot be pulled: no plan
-            else:
-                m.add(self.pulled == pulled)
+        # the pulled boundary (module docstring, 4; every block model there has its ``variant``): the
+        # next block's recomputation may need it at any step before the window, read here at the last
+        self.pull_read = None
+        pulled, pulls = variant if variant is not None else (0, 0)
+        boundary = self.nodes[lay.pull] if lay.pull is not None else None
+        if pulled and boundary in M:
+            self.pull_read = boundary
+            direct_first[boundary] = min(direct_first.get(boundary, self.ws - 1), self.ws - 1)
+        s, r, _need = add_decisions(m, cg, M, set(direct_first))
+        if pulled and boundary not in M:
+            m.add_bool_or([])  # a boundary the block does not keep cannot be pulled: no plan
+        if variant is not None:  # whether this block recomputes a reader of the previous block's boundary
             readers = [r[self.nodes[p]] for p in lay.pull_readers if self.nodes[p] in r]
             if pulls:
                 m.add_bool_or(readers)  # none to recompute: no plan
@@ -81,13 +79,7 @@ class _BlockModel:
         in_m = set(M)
         st = {v: m.new_int_var(0, B - 1, f"st_{v}") for v in M}
         first = {v: m.new_int_var(0, B - 1, f"first_{v}") for v in M}
-        more_reads = {}
-        if self.pulled is not None:  # the pull's step: the window's last but one, or none (B - 1)
-            at = m.new_int_var(0, B - 1, "pull_at")
-            m.add(at == self.ws - 1).only_enforce_if(self.pulled)
-            m.add(at == B - 1).only_enforce_if(~self.pulled)
-            more_reads[self.boundary] = [at]
-        add_first_need(m, cg, M, r, direct_first, B, first, st, more_reads)
+        add_first_need(m, cg, M, r, direct_first, B, first, st)
         rc_readers: dict[str, set[str]] = {}
         for u in M:
             for p in cg.preds(u):
@@ -101,12 +93,11 @@ class _BlockModel:
             demands.append(size // unit)
         for v in cands:
             size = cg.attr(v, "bytes") // unit
-            lo = max(lay.sreads.get(v, ()), default=None)  # backward's last read (views included)
+            # backward's last read (views included), the pull's too
+            lo = max([*lay.sreads.get(v, ()), *([self.ws - 1] if v == self.pull_read else [])], default=None)
             # the value's life as the full model has it (parts), then clipped to the window
-            pull = [(self.ws - 1, self.pulled)] if v == self.boundary and self.pulled is not None else ()
             last, rc_start = add_value_life(m, cg, v, r, st, F, rc_readers.get(v, ()), in_m,
-                                            last_bounds=(bw_time(F, lo) if lo is not None else 0, T), rc_bounds=(0, T),
-                                            more_last=pull)
+                                            last_bounds=(bw_time(F, lo) if lo is not None else 0, T), rc_bounds=(0, T))
             lasts[v] = last
             end = m.new_int_var(t0 - 1, t1, f"end_{v}")
             m.add_min_equality(end, [last, t1])

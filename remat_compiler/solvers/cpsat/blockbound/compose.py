@@ -53,8 +53,8 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool 
     """Least summed cost of one option per block with, for every block ``m``,
     ``W_m + off_m + sum_{j<m} H_j`` and ``forward_m + sum_{j<m} H_j`` within the budget, and
     ``head + sum_j H_j`` too: a dynamic programme over blocks in forward order on the Pareto front
-    of (summed H, cost), each block's step over every state and option at once (numpy: a bfloat16
-    Mistral-7B block's menu has hundreds of options and the front thousands of states). Where
+    of (summed H, cost), each block's step over every state and option at once (numpy: in Python,
+    the three calls on a bfloat16 Mistral-7B menu of hundreds of options took 40 s). Where
     boundaries are pulled (``frame.pulled``; module docstring of :mod:`..blockbound`, 4) H is
     what a block holds until the blocks' backward begins: the windows are ``W_m + off_m`` alone,
     the head's backward its fixed memory, and consecutive blocks' variants agree
@@ -66,33 +66,24 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool 
     H = np.array([menu[i].H for i in by_w], dtype=np.int64)
     W = np.array([menu[i].W for i in by_w], dtype=np.int64)
     cost = np.array([menu[i].cost for i in by_w], dtype=np.int64)
-    # a pulled boundary's variants (:mod:`.variants`): block m's ``pulled`` must be block m + 1's
-    # ``pulls``; -1: no variant (any neighbour)
-    pulled = np.array([-1 if menu[i].variant is None else menu[i].variant[0] for i in by_w], dtype=np.int64)
-    pulls = np.array([-1 if menu[i].variant is None else menu[i].variant[1] for i in by_w], dtype=np.int64)
-    # the front: summed H, cost, and the last block's ``pulled``
-    S, C, P = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
+    S, C = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # the front: summed H, cost
     history = []  # per block: (state index, option index) of each front entry
     for off, fw in zip(frame.offsets, frame.forward):
         live = S + fw <= budget
-        ok = live[:, None] & ((0 if frame.pulled else S[:, None]) + W[None, :] + off <= budget)
-        ok &= (P[:, None] < 0) | (pulls[None, :] < 0) | (P[:, None] == pulls[None, :])
+        ok = live[:, None] & (S[:, None] + W[None, :] + off <= budget)
         si, oi = np.nonzero(ok)
         if si.size == 0:
             return None
-        nS, nC, nP = S[si] + H[oi], C[si] + cost[oi], pulled[oi]
-        order = np.lexsort((nC, nS, nP))  # by the last block's variant, summed H, then cost
-        nS, nC, nP, si, oi = nS[order], nC[order], nP[order], si[order], oi[order]
-        # keep the states no state of the same variant and smaller (or equal) summed H beats on cost
-        keep = np.zeros(nS.size, dtype=bool)
-        for p in np.unique(nP):
-            at = np.nonzero(nP == p)[0]
-            before = np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(nC[at])[:-1]))
-            keep[at] = nC[at] < before
-        S, C, P = nS[keep], nC[keep], nP[keep]
+        nS, nC = S[si] + H[oi], C[si] + cost[oi]
+        order = np.lexsort((nC, nS))  # by summed H, then cost
+        nS, nC, si, oi = nS[order], nC[order], si[order], oi[order]
+        # keep the states no state of smaller (or equal) summed H beats on cost
+        before = np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(nC)[:-1]))
+        keep = nC < before
+        S, C = nS[keep], nC[keep]
         history.append((si[keep], oi[keep]))
     final = np.nonzero(S + frame.head <= budget)[0]
-    if final.size == 0 or frame.head_bw > budget:
+    if final.size == 0:
         return None
     i = int(final[np.argmin(C[final])])
     best = int(C[i])

@@ -111,7 +111,6 @@ class _Layout:
         for m in range(self.L):
             inside = set(self.nodes[m])
             nxt = set(self.nodes[m + 1]) if m + 1 < self.L else None
-            later = set().union(*self.nodes[m + 1:]) if m + 1 < self.L else set()
             out = []
             for p, v in enumerate(self.nodes[m]):
                 if cg.is_available_in_bw(v):
@@ -121,7 +120,7 @@ class _Layout:
                     continue
                 if nxt is not None and any(u not in nxt for u in outside):
                     return None
-                if nxt is None and any(u in later or cg.attr(u, "block") in self.blocks for u in outside):
+                if nxt is None and any(cg.attr(u, "block") in self.blocks for u in outside):
                     return None
                 out.append(p)
             if len(out) != 1:

@@ -38,9 +38,6 @@ class _Menus:
             stand.extend(None if item is None else (mi, item) for item in items)
         return options, stand
 
-    def menu_of(self, item) -> _Menu:
-        return self.menus[item[0]][1]
-
     def neighbours(self, todo: set) -> set:
         """The bands next to those to refine, not yet refined: the next choice often moves there."""
         more = set()
