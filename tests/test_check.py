@@ -106,7 +106,7 @@ def test_emitted_peak_is_the_plans_on_gpt2_with_reruns(hold_outputs):
     assert rerun
     plan = make_plan(cg, saved, budget_bytes=None, solver="checkpoint+reruns", rerun=rerun)
     _checked(rc.PlannedGraph(gm, cg, plan, check_plan(cg, plan)))
-    _checked(_plan(gm, cg, 0.6, time_limit_s=5))
+    _checked(_plan(gm, cg, 0.6, time_limit_s=2))
 
 
 def _corrupt_with_late_reader(planned, bw):

@@ -120,7 +120,7 @@ def test_deepseek_v3_compiles_at_every_budget_with_gradients_as_eager():
     gradients."""
     model, inputs = _deepseek_v3()
     _, want = eager_step(model, lambda ref: ref(**inputs), seed=SEED)
-    m = rc.compile(copy.deepcopy(model), memory_budget=0.8, time_limit_s=4)
+    m = rc.compile(copy.deepcopy(model), memory_budget=0.8, time_limit_s=2)
     got = planned_step(m, lambda: m(**inputs), seed=SEED)
     assert got.peak == m.plan.peak_bytes <= m.plan.budget_bytes
     assert_same(got, want, rtol=1e-4, atol=1e-5, none_ok=True)

@@ -1,20 +1,19 @@
-"""The command line: every subcommand and format as a real subprocess, plus argument errors in-process.
-
-The subprocesses start together (a thread pool, one worker per core) when the first test needs them,
-so the file's wall time is about the slowest few commands rather than their sum; the example
-factories (GPT-2 once, tiny; the MoE layer; the demo script) run in-process. Models are small: the
-demo MLP chain at width 64 (activations dominate), GPT-2 at 2 layers and width 64.
+"""The command line: every subcommand and format through ``main`` in-process, as the console script
+calls it (exit code, stdout and stderr captured, in the run's own working directory), and the console
+entry as a real subprocess once, on an infeasible budget (its exit code and one stderr line). Each
+subprocess costs the imports of torch and the library again (about 3.5 s of CPU), which in-process
+runs share. Models are small: the demo MLP chain at width 64 (activations dominate), GPT-2 at 2
+layers and width 64.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import re
 import runpy
 import subprocess
 import sys
-from contextlib import redirect_stdout
+from contextlib import chdir, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
@@ -43,50 +42,57 @@ class Result:
     stderr: str
 
 
-def _run(argv: list[str], cwd: Path) -> Result:
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # several run at once on few cores
-    proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+def _run_process(argv: list[str], cwd: Path) -> Result:
+    """``python -m remat_compiler.cli ARGV`` in a fresh process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "remat_compiler.cli", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def _run_in_process(argv: list[str], cwd: Path) -> Result:
+    """``main(ARGV)`` as the console script calls it, in ``cwd``, its output captured."""
+    out, err = StringIO(), StringIO()
+    with chdir(cwd), redirect_stdout(out), redirect_stderr(err):
+        code = main(list(argv))
+    return Result(code, out.getvalue(), err.getvalue())
+
+
 class Runs:
-    """Named CLI subprocesses started concurrently; ``runs[name]`` waits for one and returns it."""
+    """Named CLI runs, each made when a test first asks for it (``runs[name]``) and kept."""
 
     def __init__(self, workdir: Path):
         self.dir = workdir
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
-        self._futures: dict[str, concurrent.futures.Future] = {}
+        self._argv: dict[str, tuple[list[str], bool]] = {}
+        self._done: dict[str, Result] = {}
 
-    def start(self, name: str, *args: str) -> None:
-        self._futures[name] = self._pool.submit(_run, ["-m", "remat_compiler.cli", *args], self.dir)
+    def start(self, name: str, *args: str, process: bool = False) -> None:
+        self._argv[name] = (list(args), process)
 
     def __getitem__(self, name: str) -> Result:
-        return self._futures[name].result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)  # runs no test asked for are not started
+        if name not in self._done:
+            argv, process = self._argv[name]
+            self._done[name] = (_run_process if process else _run_in_process)(argv, self.dir)
+        return self._done[name]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     r = Runs(tmp_path_factory.mktemp("cli"))
     r.start("json", "plan", *SMALL, "--budget", "0.7", "--format", "json", "-o", "plan.json")
-    # then the slowest, so that they overlap with the rest
     r.start("compare", "compare", *SMALL, "--strategies", "save_all,checkpoint_blocks,cpsat",
             "--budget", "0.8", "--steps", "2", "--time-limit", "5")
     r.start("pareto", "pareto", *SMALL, "--budgets", "1.0,0.7,0.05", "--png", "pareto.png",
             "--time-limit", "5")
     r.start("demo", "demo", "-o", "demo.png", "--time-limit", "10")
     r.start("dot", "plan", *SMALL, "--budget", "0.7", "--format", "dot")
-    r.start("infeasible", "plan", *SMALL, "--budget", "1KiB")
-    yield r
-    r.close()
+    r.start("infeasible", "plan", *SMALL, "--budget", "1KiB", process=True)
+    return r
 
 
 @pytest.fixture(scope="module")
 def saved_plan(runs) -> Path:
-    """plan.json from the ``json`` run, and the two ``--load`` runs started on it."""
+    """plan.json from the ``json`` run, and the two ``--load`` runs on it."""
     assert runs["json"].returncode == EXIT_OK, runs["json"].stderr
     path = runs.dir / "plan.json"
     runs.start("load_table", "plan", *SMALL, "--load", str(path), "--all", "--timeline", "timeline.png")

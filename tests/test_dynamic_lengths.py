@@ -58,7 +58,7 @@ def _check_lengths(family: str, bound: int, budget, shapes, solves, batch: int =
 
     model, _, _ = build(family, batch=batch, seq=bound)
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=budget, max_seq_len=bound, time_limit_s=5)
+    m = rc.compile(model, memory_budget=budget, max_seq_len=bound, time_limit_s=2)
     peaks = {}
     for i, (b, length) in enumerate(shapes):
         _, inputs, _ = build(family, batch=b, seq=length, seed=i)
@@ -239,7 +239,7 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
 
     model, _, _ = build("llama", batch=2, seq=32)
     ref = copy.deepcopy(model)
-    m = rc.compile(model, memory_budget=0.7, max_seq_len=32, backend="inductor", time_limit_s=5)
+    m = rc.compile(model, memory_budget=0.7, max_seq_len=32, backend="inductor", time_limit_s=2)
     peaks = {}
     for i, length in enumerate((20, 32, 9, 31)):
         _, inputs, _ = build("llama", batch=2, seq=length, seed=i)

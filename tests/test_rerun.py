@@ -114,7 +114,7 @@ def test_budget_below_single_recompute_floor_is_met_with_reruns(gpt2):
     model, inputs, eager, cg = gpt2
     memo = SolveMemo()  # the second search starts from the first's plan, and the compile from both
     low, _proven, saved, rerun = min_feasible_peak(cg, time_limit_s=5, reruns=False, memo=memo)
-    lowest, proven, saved2, rerun2 = min_feasible_peak(cg, time_limit_s=5, memo=memo)
+    lowest, proven, saved2, rerun2 = min_feasible_peak(cg, time_limit_s=2, memo=memo)  # no proof: to the limit
     assert lowest <= low
     if lowest < low:
         assert rerun2 and not proven
