@@ -229,8 +229,9 @@ def test_bounds_are_checked():
 
 
 def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_bound(solves):
-    """backend="inductor" with max_seq_len: Inductor compiles the plan's forward and backward once,
-    over symbolic sizes; the walk of its code is taken at the bound and held to the budget. Every
+    """backend="inductor" with max_seq_len: Inductor compiles the plan's forward and backward on the
+    first call, over symbolic sizes (re-planning there while the walk of its code, taken at the
+    bound, peaks above the budget: a plan found on a loaded machine's clock may). Every
     length then runs that code (no trace, no solve, no compile): eager's gradients, a measured peak
     (Inductor's own buffers watched) under the budget at every length, and at the bound the walk's
     to the byte, the largest of all."""
@@ -253,6 +254,7 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
             limit = parse_budget(0.7).resolve(m.plan.baseline_peak_bytes)
             assert m.plan.budget_bytes <= limit and m.planned.first_step_bytes <= limit
             assert m.planned.inductor[0].on_fakes is None  # accepted: every call from now on is real
+            planned = solves[0]  # one plan, or more where its code peaked above the budget (re-plans)
         else:
             tracker = LiveStorageTracker()
             with watch(tracker, code):
@@ -262,7 +264,7 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
         assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6), length
         for name, g in grads.items():
             assert torch.allclose(g, want[name], rtol=1e-4, atol=1e-5), (length, name)
-    assert m.planned.inductor is code and len(m._entries) == 1 and solves[0] == 1
+    assert m.planned.inductor is code and len(m._entries) == 1 and solves[0] == planned
     assert peaks[32] == m.planned.compiled.peak_bytes == max(peaks.values())
 
 
