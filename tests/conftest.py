@@ -19,10 +19,10 @@ os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 # Likewise CP-SAT: a solve given no ``num_workers`` runs 8 search threads by default, and those on two
 # cores starve the other worker's tracing. One worker here, in this process and the ones it spawns:
-# each of the suite's two processes then holds one core whether it traces or solves (measured on the
-# idle machine: 8 threads 650 s, 2 threads 446 s, 1 thread 392 s, every test passing; the solves' own
-# time summed over the suite barely moved, 235 s to 209 s, as the graphs are small). Tests about the
-# worker count pass ``num_workers`` themselves.
+# each of the suite's two processes then holds one core whether it traces or solves (one run each, not
+# interleaved, on a machine whose speed drifts: 8 threads 650 s, 2 threads 446 s, 1 thread 398 s, every
+# test passing; the solves' own time summed over the suite moved from 235 s to 209 s, as the graphs are
+# small). Tests about the worker count pass ``num_workers`` themselves.
 os.environ.setdefault("REMAT_COMPILER_CPSAT_WORKERS", "1")
 
 # The README's command runs the files on two workers (``-n 2 --dist loadfile``), handed out in
