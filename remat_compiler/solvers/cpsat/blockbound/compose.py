@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
-
 from remat_compiler.graph import CostGraph
 from remat_compiler.schedule import bw_time
 from remat_compiler.solvers.cpsat.parts import alloc_index, storage_readers
@@ -125,13 +123,14 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     best[:, 0] = 0  # the first block may recompute a reader of what comes before the blocks, or not
     history = []  # per block: the option taken at each (pulled, summed H)
     groups: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    by_key = _by_key(h, W, cost, pulled, pulls, n) if plans else None  # the same for every block
     for off, fw in zip(frame.offsets, frame.forward):
         limit = (budget - fw) // step  # a lattice point's bytes are at most (a bound) or least (plans) its H's
         best[:, max(0, limit + 1):] = inf  # the blocks before hold too much for this block's forward
         new = np.full((2, n), inf, dtype=np.int64)
         arg = np.full((2, n), -1, dtype=np.int64)
         if plans:
-            _step_charged(new, arg, best, h, W, cost, pulled, pulls, budget - off, step)
+            _step_charged(new, arg, best, by_key, budget - off, step)
             best = new
             history.append(arg)
             continue
@@ -166,31 +165,41 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     return total, choice[::-1]
 
 
-def _step_charged(new, arg, best, h, W, cost, pulled, pulls, room: int, step: int) -> None:
-    """One block's step of :func:`_compose_pulled` for plans, each window charged what the blocks
-    below save (at most a lattice point's bytes): option ``i`` is allowed at summed H ``s`` where
-    ``W_i + s * step <= room``; per (H, variant), the cheapest of those allowed, by a prefix minimum
-    over the options in order of W."""
-    n = new.shape[1]
-    inf = np.iinfo(np.int64).max // 4
-    caps = room - np.arange(n, dtype=np.int64) * step
+def _by_key(h, W, cost, pulled, pulls, n: int) -> list[tuple]:
+    """The options by (lattice H, variant) for :func:`_step_charged`: per key ``(hh, p, q, ids, ws,
+    cs)``, the options in order of W (then cost), their W, and at each position the option and cost
+    of the cheapest among the first k + 1 (a prefix minimum)."""
     keys: dict[tuple[int, int, int], list[int]] = {}
     for i in range(len(h)):
         if h[i] < n:
             keys.setdefault((int(h[i]), int(pulled[i]), int(pulls[i])), []).append(i)
+    out = []
     for (hh, p, q), idx in keys.items():
         idx = np.array(sorted(idx, key=lambda i: (W[i], cost[i])), dtype=np.int64)
-        ws, cs = W[idx], cost[idx]
+        cs = cost[idx]
         at = np.zeros(cs.size, dtype=np.int64)  # the cheapest among the first k + 1, by position
         for k in range(1, cs.size):
             at[k] = k if cs[k] < cs[at[k - 1]] else at[k - 1]
+        out.append((hh, p, q, idx[at], W[idx], cs[at]))
+    return out
+
+
+def _step_charged(new, arg, best, by_key, room: int, step: int) -> None:
+    """One block's step of :func:`_compose_pulled` for plans, each window charged what the blocks
+    below save (at most a lattice point's bytes): option ``i`` is allowed at summed H ``s`` where
+    ``W_i + s * step <= room``; per (H, variant), the cheapest of those allowed, by the prefix
+    minimum of :func:`_by_key` (built once for all blocks)."""
+    n = new.shape[1]
+    inf = np.iinfo(np.int64).max // 4
+    caps = room - np.arange(n, dtype=np.int64) * step
+    for hh, p, q, ids, ws, cs in by_key:
         pos = np.searchsorted(ws, caps[:n - hh], side="right") - 1
         ok = pos >= 0
-        c_s = np.where(ok, cs[at[np.maximum(pos, 0)]], inf)
-        cand = best[q, :n - hh] + c_s
-        better = ok & (cand < new[p, hh:])
+        at = np.maximum(pos, 0)
+        cand = np.where(ok, best[q, :n - hh] + cs[at], inf)
+        better = cand < new[p, hh:]
         new[p, hh:][better] = cand[better]
-        arg[p, hh:][better] = idx[at[np.maximum(pos, 0)]][better]
+        arg[p, hh:][better] = ids[at][better]
 
 
 def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:

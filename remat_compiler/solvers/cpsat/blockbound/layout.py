@@ -102,7 +102,6 @@ class _Layout:
                     return
         self.ok = True
 
-
     def _pulled_boundary(self, cg: CostGraph) -> int | None:
         """Where no block's value is read by backward before its window: the position in its block
         of the one value each block's successor (the head, for the last) reads in forward, the
