@@ -63,15 +63,23 @@ def test_bound_is_below_every_fitting_plan(d, h, batch):
                            deadline=Deadline(10)).bound == float("inf")
 
 
-def _bounded_below_every_plan(cg):
-    """Every saved set of ``cg`` simulated; for both objectives, at every budget a plan reaches,
-    the bound is at most the cheapest plan that fits, and above 0 at some. Yields each objective
-    and its (peak, cost) of every plan."""
+@functools.lru_cache(maxsize=None)
+def _every_plan(cg) -> tuple:
+    """Every saved set of ``cg`` simulated, as ``(peak bytes, recomputed nodes)``: enumerated once per
+    graph for the tests here that brute-force it (2^13 plans took 3 to 6 s each time)."""
     plans = []
     for k in range(len(cg.candidates) + 1):
         for subset in itertools.combinations(cg.candidates, k):
             schedule = build_schedule(cg, subset)
-            plans.append((simulate(cg, schedule).peak_bytes, schedule.recomputed))
+            plans.append((simulate(cg, schedule).peak_bytes, tuple(schedule.recomputed)))
+    return tuple(plans)
+
+
+def _bounded_below_every_plan(cg):
+    """Every saved set of ``cg`` simulated; for both objectives, at every budget a plan reaches,
+    the bound is at most the cheapest plan that fits, and above 0 at some. Yields each objective
+    and its (peak, cost) of every plan."""
+    plans = _every_plan(cg)
     for objective in ("flops", "runtime"):
         costs = [(peak, sum(cost_units(cg, n, objective) for n in rec)) for peak, rec in plans]
         positive = 0
@@ -425,11 +433,7 @@ def test_plans_solved_for_the_choice_stop_the_refinement_within_the_callers_tole
     and the menu is refined less than without ``accept``."""
     cg = _stack(d, h, batch)
     cost_of = lambda n: cost_units(cg, n, "runtime")  # noqa: E731
-    plans = []
-    for k in range(len(cg.candidates) + 1):
-        for subset in itertools.combinations(cg.candidates, k):
-            schedule = build_schedule(cg, subset)
-            plans.append((simulate(cg, schedule).peak_bytes, sum(cost_of(n) for n in schedule.recomputed)))
+    plans = [(peak, sum(cost_of(n) for n in recomputed)) for peak, recomputed in _every_plan(cg)]
     tol = 0.02 * sum(cost_of(n) for n in cg.fw_order)  # a share of the forward, as compile's tolerance
     accepted = fewer = 0
     for budget in sorted({peak for peak, _ in plans}):
