@@ -46,11 +46,33 @@ RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 def _traced(t: torch.Tensor) -> bool:
     """A tracing tensor (fake, functional or another wrapper subclass): no real storage. A first
     call that traces and plans runs the model on these; they are not the step's memory."""
+    if type(t) in _PLAIN:  # the tensors of a step that runs: no subclass to look into
+        return False
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     return isinstance(t, (FakeTensor, FunctionalTensor)) or is_traceable_wrapper_subclass(t)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensors(tree):
+    """The tensors in an operator's arguments or results (tensors, and tuples, lists and dicts of
+    them and of other values), depth first: what ``pytree.tree_leaves`` finds there, without its cost
+    on every operator a tracked step runs."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+    elif not isinstance(tree, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                               torch.layout)):
+        yield from (x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor))
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -98,16 +120,17 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = set()
-        for x in pytree.tree_leaves((args, kwargs)):
-            if isinstance(x, torch.Tensor) and x.device.type != "meta":
-                inputs.add(x.untyped_storage()._cdata)
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or _traced(t):
+        inputs = None  # the inputs' storages, gathered when an output's storage is new to the tracker
+        for t in _tensors(out):
+            if t.is_meta or _traced(t):
                 continue
             st = t.untyped_storage()
             key = st._cdata
-            if key in inputs or key in self._live:
+            if key in self._live:
+                continue
+            if inputs is None:
+                inputs = {x.untyped_storage()._cdata for x in _tensors((args, kwargs)) if not x.is_meta}
+            if key in inputs:
                 continue
             nbytes = self._charged(st.nbytes())
             self._live[key] = nbytes
