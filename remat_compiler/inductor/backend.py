@@ -25,7 +25,8 @@ from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeErro
 from remat_compiler.pipeline import PlannedGraph, PlanSpec
 from remat_compiler.runtime import distributed
 from remat_compiler.solvers import resolve_budget
-from remat_compiler.trace import aot_step, run_traced
+from remat_compiler.trace import aot_logs_wanted, run_traced
+from remat_compiler.trace.again import aot_step_again
 
 __all__ = ["first_call", "fusing", "lowered", "replan_after", "inductor_facts", "first_step_report", "InductorState",
            "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
@@ -132,28 +133,47 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         planning = lowered(planning, lower)
         if state.measured_replans > MEASURED_REPLANS:
             why, tries = "the first step of its re-planned code measured above the budget again", 0
-    for _ in range(tries):
+    current: list[InductorCompilers] = []  # the try's compilers
+
+    def attempt(planned_as: PlanSpec) -> tuple:
+        """The partition function and compilers of a try planning under ``planned_as``."""
         compilers = InductorCompilers(lambda: inductor_facts(entry.planned, spec.budget, margin),
                                       first_step_report(entry, spec, margin))
-        entry.fn = aot_step(entry.step, partition(planning), fw_compiler=compilers.forward,
-                            bw_compiler=compilers.backward, decompositions=inductor.DECOMPOSITIONS)
+        current[:] = [compilers]
+        return partition(planned_as), compilers.forward, compilers.backward
+
+    def again(exc: CompiledOverBudget | InfeasibleBudgetError) -> tuple:
+        """The next try, on the step traced once, planning lower by what this one's code overshot."""
+        nonlocal planning, over_at, why, tries
+        lower, over_at, why = replan_after(exc, over_at)
+        tries -= 1
+        if lower is None or tries <= 0:
+            raise _GiveUp from exc
+        planning = lowered(planning, lower)
+        return attempt(planning)
+
+    if tries > 0:
+        partition_fn, fw_compiler, bw_compiler = attempt(planning)
+        entry.fn = aot_step_again(entry.step, partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                  decompositions=inductor.DECOMPOSITIONS, again=again,
+                                  errors=(CompiledOverBudget, InfeasibleBudgetError), enable_log=aot_logs_wanted())
         try:
             with spec.prepared(model):
                 out = run_traced(entry.fn, model, inputs, entry.step)
-        except (CompiledOverBudget, InfeasibleBudgetError) as exc:
-            lower, over_at, why = replan_after(exc, over_at)
-            if lower is None:
-                break
-            planning = lowered(planning, lower)
-            continue
+        except _GiveUp:
+            pass
         except UnreadableCodeError as exc:
             why = f"its generated code could not be read ({exc})"
-            break
-        compilers.record(entry.planned)
-        return out
+        else:
+            current[0].record(entry.planned)
+            return out
     warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                   f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
     return eager()
+
+
+class _GiveUp(Exception):
+    """No try is left, or no lower budget has a plan: the eager backend's plan runs instead."""
 
 
 def replan_after(exc: CompiledOverBudget | InfeasibleBudgetError, over_at: int | None

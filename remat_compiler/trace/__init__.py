@@ -33,7 +33,7 @@ from remat_compiler.trace_sites import boolean_index_sites, config_advice, user_
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
            "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
-           "DeviceTraceWarning", "trace_step"]
+           "DeviceTraceWarning", "trace_step", "aot_step", "run_traced", "aot_logs_wanted"]
 
 MODULE_KEY = keys.TRACE_MODULE
 MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
@@ -291,7 +291,7 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     return boxed_nop(gm, example_inputs)
 
 
-def _aot_logs_wanted() -> bool:
+def aot_logs_wanted() -> bool:
     """Whether anyone reads AOTAutograd's graph logs (``TORCH_LOGS`` naming its graphs, or a
     ``TORCH_TRACE`` / ``TORCH_COMPILE_DEBUG`` structured log): it prints the joint, forward and
     backward graphs for them whether they are read or not (measured: 3.5% of the zoo's tests)."""
@@ -312,7 +312,7 @@ def aot_step(step: StepFunction, partition_fn: Callable, *, fw_compiler: Callabl
     By default the partitioned graphs run as they are (op by op); the Inductor backend passes its
     compilers and decompositions (:mod:`remat_compiler.inductor`)."""
     return aot_function(step, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                        decompositions=decompositions, enable_log=_aot_logs_wanted())
+                        decompositions=decompositions, enable_log=aot_logs_wanted())
 
 
 def run_traced(fn: Callable, model: torch.nn.Module, flat: list[torch.Tensor], step: StepFunction | None = None):
