@@ -6,7 +6,8 @@ errors is handed to ``again``, which returns the partition function and compiler
 that try partitions a copy of the joint graph captured the first time, as it was before anything ran
 on it, so the step is traced once however many times it is planned. The Inductor backend re-plans
 this way when Inductor's code for a plan peaks above the budget
-(:func:`remat_compiler.inductor.backend.first_call`): a trace of GPT-2 was a third of such a try.
+(:func:`remat_compiler.inductor.backend.first_call`; on the test GPT-2 with one forced re-plan, the
+first call took a median 18.8 s against 20.2 s when the re-plan traced again, four interleaved pairs).
 """
 from __future__ import annotations
 
