@@ -6,6 +6,8 @@ with the backend's own measurement of each plan's first step (:class:`remat_comp
 """
 from __future__ import annotations
 
+import copy
+
 import re
 import warnings
 
@@ -379,6 +381,25 @@ def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_i
     with pytest.warns(RuntimeWarning, match="eager backend's plan"):
         loss_fn(m(x)).backward()
     assert m.planned.backend == "eager" and m.plan.peak_bytes <= budget
+
+
+def test_code_the_walk_cannot_read_runs_the_eager_plan_with_a_warning(monkeypatch):
+    """A walk that meets a line it cannot read (raised inside AOTAutograd's compile, which re-plans
+    only code above the budget) ends the backend's tries: the eager plan runs, exact, and the warning
+    says why."""
+    model, x, loss_fn = _mlp_case()
+    eager = copy.deepcopy(model)
+    loss_fn(eager(x)).backward()
+
+    def unreadable(*args, **kwargs):
+        raise UnreadableCodeError("line 7: a statement the walk does not know")
+    monkeypatch.setattr(inductor_compile, "compiled_peak", unreadable)
+    m = remat_compiler.compile(model, memory_budget=180_000, backend="inductor", time_limit_s=2)
+    with pytest.warns(RuntimeWarning, match="could not be read .line 7"):
+        loss_fn(m(x)).backward()
+    assert m.planned.backend == "eager" and m.plan.peak_bytes <= 180_000
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
 
 
 def test_where_the_lowered_budget_has_no_plan_the_leanest_plan_is_compiled_next(monkeypatch):
