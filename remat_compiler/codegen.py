@@ -19,6 +19,7 @@ from remat_compiler.passes.rng import is_dropout_at, replaying
 from remat_compiler.collectives import release_after_waits
 from remat_compiler.errors import PlanCheckError
 from remat_compiler.plan import Plan
+from remat_compiler.trace import copy_graph_module
 
 __all__ = ["emit", "reorder_backward"]
 
@@ -80,16 +81,11 @@ def _batch_norm_without_stats(graph: fx.Graph, n: fx.Node, env: dict) -> fx.Node
 def _batch_norm_stats_unread(gm: fx.GraphModule, bn: list[fx.Node]) -> fx.GraphModule:
     """A copy of ``gm`` whose recomputed training-mode BatchNorms ``bn`` read their input in place of
     the running statistics (backward runs them as ``no_stats``, which reads none)."""
-    graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, env)
-    old_out = next(iter(gm.graph.find_nodes(op="output")))
-    graph.output(out).meta = dict(old_out.meta)
+    new = copy_graph_module(gm, env)
     for n in bn:
         copy = env[n]
         copy.args = (*copy.args[:3], copy.args[0], copy.args[0], *copy.args[5:])
-    new = fx.GraphModule(gm, graph)
-    new.meta.update(gm.meta)
     return new
 
 

@@ -217,10 +217,9 @@ def at_bound(joint: fx.GraphModule, rng: ShapeRange, values: dict) -> fx.GraphMo
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(joint.graph, {}))
-    concrete = fx.GraphModule(joint, graph)
-    concrete.meta.update(joint.meta)
+    from remat_compiler.trace import copy_graph_module
+
+    concrete = copy_graph_module(joint)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def sized(v):

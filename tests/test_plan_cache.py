@@ -116,8 +116,9 @@ def test_a_plan_for_another_graph_or_budget_is_detected_and_replanned(tmp_path):
     assert json.loads(path.read_text())["key"] == key and _plan(tmp_path).source == "cache"
 
 
-def _forked_writer(directory: str, out: str) -> None:
-    """One writer of the cache, in a forked child: ``plan_model`` with the cache, its result to ``out``."""
+def _forked_writer(rank: int, _world: int, _port: int, out_dir: str) -> None:
+    """One writer of the cache ``out_dir/cache``, in a forked child: ``plan_model`` with the cache, its
+    result to ``out_dir/writer{rank}.jsonl``."""
     import contextlib
     import io
 
@@ -125,8 +126,8 @@ def _forked_writer(directory: str, out: str) -> None:
 
     lines = io.StringIO()
     with contextlib.redirect_stdout(lines):
-        main(directory)
-    with open(out, "w") as f:
+        main(os.path.join(out_dir, "cache"))
+    with open(os.path.join(out_dir, f"writer{rank}.jsonl"), "w") as f:
         f.write(lines.getvalue())
 
 
@@ -134,23 +135,11 @@ def test_concurrent_writers_both_succeed_and_leave_a_valid_file(tmp_path):
     """Two processes plan the same graph with the same cache at once. They are forked from this one
     (a process started afresh only adds its imports: about 4 s of CPU each); the other tests here
     that need a fresh process, with nothing of this one's, start one."""
-    import multiprocessing
+    import dist_spawn
 
-    ctx = multiprocessing.get_context("fork")
-    outs = [tmp_path / f"writer{i}.jsonl" for i in range(2)]
+    dist_spawn.spawn_ranks(_forked_writer, 2, tmp_path, timeout_s=120)
+    results = [json.loads((tmp_path / f"writer{r}.jsonl").read_text().strip().splitlines()[-1]) for r in range(2)]
     cache = tmp_path / "cache"
-    procs = [ctx.Process(target=_forked_writer, args=(str(cache), str(out))) for out in outs]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=120)
-            assert p.exitcode == 0, f"a writer exited with {p.exitcode} (None: still running after 120 s)"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    results = [json.loads(out.read_text().strip().splitlines()[-1]) for out in outs]
     assert all(r["source"] in ("solved", "cache") for r in results)
     assert _files(cache) and not [f for f in os.listdir(cache) if f.startswith(".tmp-")]
     again = _plan(cache)

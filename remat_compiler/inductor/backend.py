@@ -133,13 +133,13 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         planning = lowered(planning, lower)
         if state.measured_replans > MEASURED_REPLANS:
             why, tries = "the first step of its re-planned code measured above the budget again", 0
-    current: list[InductorCompilers] = []  # the try's compilers
+    compilers: InductorCompilers | None = None  # the try's
 
     def attempt(planned_as: PlanSpec) -> tuple:
         """The partition function and compilers of a try planning under ``planned_as``."""
+        nonlocal compilers
         compilers = InductorCompilers(lambda: inductor_facts(entry.planned, spec.budget, margin),
                                       first_step_report(entry, spec, margin))
-        current[:] = [compilers]
         return partition(planned_as), compilers.forward, compilers.backward
 
     def again(exc: CompiledOverBudget | InfeasibleBudgetError) -> tuple:
@@ -165,7 +165,7 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         except UnreadableCodeError as exc:
             why = f"its generated code could not be read ({exc})"
         else:
-            current[0].record(entry.planned)
+            compilers.record(entry.planned)
             return out
     warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                   f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)

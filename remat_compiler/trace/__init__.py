@@ -33,7 +33,8 @@ from remat_compiler.trace_sites import boolean_index_sites, config_advice, user_
 
 __all__ = ["StepFunction", "TracedStep", "trace", "flatten_step", "signature_of_leaves",
            "annotate_joint", "without_data", "tensors_for_planning", "META_PLANS_FOR", "trace_device",
-           "DeviceTraceWarning", "trace_step", "aot_step", "run_traced", "aot_logs_wanted"]
+           "DeviceTraceWarning", "trace_step", "aot_step", "run_traced", "aot_logs_wanted",
+           "copy_graph_module"]
 
 MODULE_KEY = keys.TRACE_MODULE
 MODULE_CLASS_KEY = keys.TRACE_MODULE_CLASS
@@ -289,6 +290,22 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     from torch._dynamo.backends.debugging import boxed_nop
 
     return boxed_nop(gm, example_inputs)
+
+
+def copy_graph_module(gm: fx.GraphModule, env: dict | None = None) -> fx.GraphModule:
+    """A copy of ``gm`` with nodes of its own (the same names; each node's meta a new dict of the same
+    values), its output's meta, its calling convention and its ``meta``; its Python code is generated
+    when first asked for. ``env``, if given, is filled with each node of ``gm`` and its copy."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module
+
+    graph = fx.Graph()
+    env = {} if env is None else env
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out).meta = dict(next(iter(gm.graph.find_nodes(op="output"))).meta)
+    graph._codegen = gm.graph._codegen
+    copy = _make_graph_module(gm, graph, graph_module_cls=_LazyGraphModule)
+    copy.meta.update(gm.meta)
+    return copy
 
 
 def aot_logs_wanted() -> bool:

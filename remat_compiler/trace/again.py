@@ -15,24 +15,11 @@ import contextlib
 import dataclasses
 from typing import Callable
 
-import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from remat_compiler.trace import copy_graph_module
+
 __all__ = ["aot_step_again"]
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of the joint graph to partition: its own nodes and node metadata (the passes annotate and
-    rewrite both), the same FakeTensor values."""
-    graph = fx.Graph()
-    env: dict = {}
-    out = graph.graph_copy(gm.graph, env)
-    old_out = next(iter(gm.graph.find_nodes(op="output")))
-    graph.output(out).meta = dict(old_out.meta)
-    graph._codegen = gm.graph._codegen
-    copy = fx.GraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy
 
 
 def aot_step_again(step: Callable, partition_fn: Callable, *, fw_compiler: Callable, bw_compiler: Callable,
@@ -77,7 +64,7 @@ def aot_step_again(step: Callable, partition_fn: Callable, *, fw_compiler: Calla
                 state = create_aot_state(stack, flat_fn, fake_args, descs, config, fake_mode, shape_env)
                 state.fw_metadata.act_input_indices = act_input_indices
                 captured = aot_stage1_graph_capture(state, flat_fn)
-                joint = _copy(captured.graph_module)  # as captured: the first try's passes rewrite it
+                joint = copy_graph_module(captured.graph_module)  # as captured: the first try's passes rewrite it
                 partition, fw, bw = partition_fn, fw_compiler, bw_compiler
                 while True:
                     try:
@@ -85,7 +72,7 @@ def aot_step_again(step: Callable, partition_fn: Callable, *, fw_compiler: Calla
                         break
                     except errors as exc:
                         partition, fw, bw = again(exc)
-                        captured = dataclasses.replace(captured, graph_module=_copy(joint))
+                        captured = dataclasses.replace(captured, graph_module=copy_graph_module(joint))
             compiled.append((fn, out_spec))
         fn, out_spec = compiled[0]
         return out_spec.unflatten(fn(flat_args))
