@@ -66,7 +66,7 @@ class Runs:
         self._argv: dict[str, tuple[list[str], bool]] = {}
         self._done: dict[str, Result] = {}
 
-    def start(self, name: str, *args: str, process: bool = False) -> None:
+    def add(self, name: str, *args: str, process: bool = False) -> None:
         self._argv[name] = (list(args), process)
 
     def __getitem__(self, name: str) -> Result:
@@ -79,14 +79,14 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     r = Runs(tmp_path_factory.mktemp("cli"))
-    r.start("json", "plan", *SMALL, "--budget", "0.7", "--format", "json", "-o", "plan.json")
-    r.start("compare", "compare", *SMALL, "--strategies", "save_all,checkpoint_blocks,cpsat",
+    r.add("json", "plan", *SMALL, "--budget", "0.7", "--format", "json", "-o", "plan.json")
+    r.add("compare", "compare", *SMALL, "--strategies", "save_all,checkpoint_blocks,cpsat",
             "--budget", "0.8", "--steps", "2", "--time-limit", "5")
-    r.start("pareto", "pareto", *SMALL, "--budgets", "1.0,0.7,0.05", "--png", "pareto.png",
+    r.add("pareto", "pareto", *SMALL, "--budgets", "1.0,0.7,0.05", "--png", "pareto.png",
             "--time-limit", "5")
-    r.start("demo", "demo", "-o", "demo.png", "--time-limit", "10")
-    r.start("dot", "plan", *SMALL, "--budget", "0.7", "--format", "dot")
-    r.start("infeasible", "plan", *SMALL, "--budget", "1KiB", process=True)
+    r.add("demo", "demo", "-o", "demo.png", "--time-limit", "10")
+    r.add("dot", "plan", *SMALL, "--budget", "0.7", "--format", "dot")
+    r.add("infeasible", "plan", *SMALL, "--budget", "1KiB", process=True)
     return r
 
 
@@ -95,8 +95,8 @@ def saved_plan(runs) -> Path:
     """plan.json from the ``json`` run, and the two ``--load`` runs on it."""
     assert runs["json"].returncode == EXIT_OK, runs["json"].stderr
     path = runs.dir / "plan.json"
-    runs.start("load_table", "plan", *SMALL, "--load", str(path), "--all", "--timeline", "timeline.png")
-    runs.start("load_other", "plan", *OTHER_WIDTH, "--load", str(path))
+    runs.add("load_table", "plan", *SMALL, "--load", str(path), "--all", "--timeline", "timeline.png")
+    runs.add("load_other", "plan", *OTHER_WIDTH, "--load", str(path))
     return path
 
 
