@@ -7,7 +7,8 @@ that try partitions a copy of the joint graph captured the first time, as it was
 on it, so the step is traced once however many times it is planned. The Inductor backend re-plans
 this way when Inductor's code for a plan peaks above the budget
 (:func:`remat_compiler.inductor.backend.first_call`; on the test GPT-2 with one forced re-plan, the
-first call took a median 18.8 s against 20.2 s when the re-plan traced again, four interleaved pairs).
+first call took a median 18.8 s against 20.2 s when the re-plan traced again, four interleaved pairs;
+``python -m benchmarks.replan``).
 """
 from __future__ import annotations
 
