@@ -342,9 +342,10 @@ def trace_and_run_range(module, entry, inputs: list[torch.Tensor], backend=None)
     :class:`ShapeRange` later calls are checked against.
 
     ``backend``: how a compiling backend plans, compiles and accepts the range's step
-    (:class:`remat_compiler.inductor.ranges.InductorRange`: ``planning(spec)``, ``step(entry, spec,
-    rng, partition)`` returning the AOT-wrapped step, ``accept(entry, rng)``); None: the eager
-    backend's, the emitted graphs run as they are.
+    (:class:`remat_compiler.inductor.ranges.InductorRange`: ``planning(spec)``, read by each call of
+    the partition, ``step(entry, spec, rng, partition)`` returning the AOT-wrapped step, which may
+    partition the one capture again, ``accept(entry, rng)``); None: the eager backend's, the emitted
+    graphs run as they are.
 
     Raises
     ------
@@ -378,9 +379,8 @@ def trace_and_run_range(module, entry, inputs: list[torch.Tensor], backend=None)
     rng = ShapeRange(env, sites, limits)
     rng.first = rng.binding(entry.example[n_state:])
 
-    planning = spec if backend is None else backend.planning(spec)
-
     def partition(joint, _joint_inputs, *, num_fwd_outputs, **_kw):
+        planning = spec if backend is None else backend.planning(spec)  # a backend's re-plan plans lower
         planned = plan_range(annotate_joint(joint, step), num_fwd_outputs, planning, rng, mode, memo=module._memo)
         entry.planned = planned
         entry.grad_deps = grad_deps(planned.cg)

@@ -182,3 +182,18 @@ def stack_graph():
 
     _, cg = rc.analyze(Net(), (torch.randn(512, 16),))  # activations, not weights, make the peak
     return cg
+
+
+def count_captures(monkeypatch) -> list[int]:
+    """``[n]``: how many times AOTAutograd captures a joint graph from now on (its first stage)."""
+    from torch._functorch import aot_autograd
+    from torch._functorch._aot_autograd import graph_compile
+
+    count, real = [0], graph_compile.aot_stage1_graph_capture
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    for module in (graph_compile, aot_autograd):  # aot_function calls it by the name it imported
+        monkeypatch.setattr(module, "aot_stage1_graph_capture", counted)
+    return count

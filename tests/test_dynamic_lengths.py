@@ -12,6 +12,7 @@ import remat_compiler as rc
 import remat_compiler.pipeline as pipeline
 from remat_compiler import LiveStorageTracker
 from remat_compiler.budget import parse_budget
+from helpers import count_captures
 from remat_compiler.dynamic import DynamicShapeError, ShapeBounds, monotone, check_monotone
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
@@ -268,55 +269,85 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
     assert peaks[32] == m.planned.compiled.peak_bytes == max(peaks.values())
 
 
-def test_inductor_range_replans_lower_while_its_code_at_the_bound_peaks_above_the_budget(monkeypatch):
-    """Where the walk of the range's Inductor code at the bound peaks above the budget, the range is
-    planned again under the budget lowered by the overshoot (as on one shape); after
-    INDUCTOR_REPLANS re-plans still above it, the range is given up (each shape then on its own)."""
-    from types import SimpleNamespace
-
+def test_inductor_range_replans_lower_on_its_one_capture_while_its_code_at_the_bound_peaks_above(monkeypatch,
+                                                                                                   solves):
+    """Where the walk of the range's Inductor code at the bound peaks above the budget (here: the first
+    walk, 1 byte over), the range is planned again under the budget lowered by the overshoot, as on one
+    shape, on the step's one capture (partitioned and compiled again, not traced again); the code
+    accepted serves the range with eager's gradients."""
+    import remat_compiler.inductor.compile as inductor_compile
     import remat_compiler.inductor.ranges as ranges
+
+    limits, walks = [], []
+    facts, walk = ranges.inductor_facts, inductor_compile.compiled_peak
+
+    def noting_the_limit(*args, **kwargs):
+        noted = facts(*args, **kwargs)
+        limits.append(noted.limit_bytes)
+        return noted
+
+    def first_walk_over(*args, **kwargs):  # the first walk is the first plan's code at the bound
+        peak = walk(*args, **kwargs)
+        walks.append(peak.peak_bytes)
+        if len(walks) == 1:
+            peak.record("backward:pretend", limits[-1] + 1)
+        return peak
+    monkeypatch.setattr(ranges, "inductor_facts", noting_the_limit)
+    monkeypatch.setattr(inductor_compile, "compiled_peak", first_walk_over)
+    captures = count_captures(monkeypatch)
+    torch.manual_seed(0)
+    model = _MLP()
+    ref = copy.deepcopy(model)
+    m = rc.compile(model, memory_budget=0.7, max_seq_len=128, backend="inductor", time_limit_s=2)
+    for i, b in enumerate([96, 72]):  # Inductor's code guards on a batch above 64
+        x, y = torch.randn(b, 64), torch.randn(b, 64)
+        loss, grads, _ = _step(m, {"x": x, "y": y}, seed=i)
+        want_loss, want, _ = _step(ref, {"x": x, "y": y}, seed=i)
+        assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            assert torch.allclose(g, want[name], rtol=1e-4, atol=1e-5), (b, name)
+    assert captures == [1] and solves[0] == 2  # two plans of one trace
+    assert m.planned.backend == "inductor" and m.plan.extras["shape_range"]["bounds"]
+    assert m.plan.budget_bytes < limits[0] and m.planned.compiled.peak_bytes <= limits[0]
+
+
+def test_the_range_replan_rule_lowers_by_the_overshoot_then_tries_the_leanest_plan_then_gives_up():
+    """The rule of the range's re-plans, as on one shape: the lower of budget and plan less the
+    overshoot; where that has no plan, the leanest plan's peak; after INDUCTOR_REPLANS re-plans, the
+    range is given up (each shape then on its own)."""
     from remat_compiler.emitted import EmittedPeak
     from remat_compiler.inductor.backend import INDUCTOR_REPLANS
     from remat_compiler.inductor.graph import CompiledOverBudget
+    from remat_compiler.inductor.ranges import InductorRange
 
     def over(live: int) -> CompiledOverBudget:
         peak = EmittedPeak()
         peak.record("backward:buf9", live)
         return CompiledOverBudget(peak, limit_bytes=1000, plan_peak_bytes=990)
 
+    rng = InductorRange()
     planned_under = []
 
-    def one_try(module, entry, inputs, backend):
-        planned_under.append(backend.planning_bytes)
-        if len(planned_under) < 3:
-            raise over(1100 - 20 * len(planned_under))  # 1080, then 1060 bytes
-        return "the forward's outputs"
-    monkeypatch.setattr(ranges, "trace_and_run_range", one_try)
-    assert ranges.first_call_range(None, SimpleNamespace(inductor=None), []) == "the forward's outputs"
-    assert planned_under == [None, 990 - 80, 990 - 60]  # the lower of budget and plan, less the overshoot
+    def attempt():
+        planned_under.append(rng.planning_bytes)
+        return "the next try"
+    for live in (1080, 1060):
+        assert rng.again(over(live), attempt) == "the next try"
+    assert planned_under == [990 - 80, 990 - 60]  # the lower of budget and plan, less the overshoot
+    assert rng.planning(pipeline.PlanSpec.make(0.5, "cpsat", {})).budget.bytes == 990 - 60
 
-    def always_over(module, entry, inputs, backend):
-        planned_under.append(backend.planning_bytes)
-        raise over(1100)
-    planned_under.clear()
-    monkeypatch.setattr(ranges, "trace_and_run_range", always_over)
+    rng, planned_under[:] = InductorRange(), []
+    rng.again(over(1100), attempt)
+    rng.again(rc.InfeasibleBudgetError(890, 950, proven=False), attempt)  # then the leanest plan's peak
+    assert planned_under == [890, 950]
+
+    rng = InductorRange()
+    for _ in range(INDUCTOR_REPLANS):
+        rng.again(over(1100), attempt)
     with pytest.raises(DynamicShapeError, match=f"after up to {INDUCTOR_REPLANS} re-plans"):
-        ranges.first_call_range(None, SimpleNamespace(inductor=None), [])
-    assert len(planned_under) == INDUCTOR_REPLANS + 1
-
-    def lower_has_no_plan(module, entry, inputs, backend):  # then the leanest plan's peak is tried
-        planned_under.append(backend.planning_bytes)
-        if len(planned_under) == 1:
-            raise over(1100)
-        if len(planned_under) == 2:
-            raise rc.InfeasibleBudgetError(890, 950, proven=False)
-        return "the forward's outputs"
-    planned_under.clear()
-    monkeypatch.setattr(ranges, "trace_and_run_range", lower_has_no_plan)
-    assert ranges.first_call_range(None, SimpleNamespace(inductor=None), []) == "the forward's outputs"
-    assert planned_under == [None, 890, 950]
-    assert ranges.InductorRange(890).planning(pipeline.PlanSpec.make(0.5, "cpsat", {})).budget.bytes == 890
-
+        rng.again(over(1100), attempt)
+    with pytest.raises(rc.InfeasibleBudgetError):  # the user's own budget has no plan at the bound
+        InductorRange().again(rc.InfeasibleBudgetError(890, 950, proven=False), attempt)
 
 def test_a_first_step_above_the_walk_at_its_own_sizes_gives_the_range_up_on_the_next_call(monkeypatch):
     """The walk at the bound holds the budget only if the walk is right: the first step is checked

@@ -15,7 +15,7 @@ import torch
 import remat_compiler
 import remat_compiler.inductor as inductor
 from remat_compiler.examples.models import build_mlp
-from helpers import assert_same, planned_step, run_step
+from helpers import assert_same, count_captures, planned_step, run_step
 import remat_compiler.inductor.compile as inductor_compile
 from remat_compiler.inductor import EmittedPeak, InductorGraph, Storages, UnreadableCodeError, walk_graph
 from remat_compiler.memory import AllocatorPeak
@@ -340,21 +340,6 @@ def _step_without_warning(m, x, loss_fn) -> None:
         loss_fn(m(x)).backward()
 
 
-def _count_captures(monkeypatch) -> list[int]:
-    """``[n]``: how many times AOTAutograd captures a joint graph from now on (its first stage)."""
-    from torch._functorch import aot_autograd
-    from torch._functorch._aot_autograd import graph_compile
-
-    count, real = [0], graph_compile.aot_stage1_graph_capture
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-    for module in (graph_compile, aot_autograd):  # aot_function calls it by the name it imported
-        monkeypatch.setattr(module, "aot_stage1_graph_capture", counted)
-    return count
-
-
 def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_it_cannot(monkeypatch):
     model, x, loss_fn = _mlp_case()
     budget = 180_000
@@ -362,7 +347,7 @@ def test_code_above_the_budget_is_replanned_lower_and_falls_back_to_eager_when_i
     calls = []
     # Inductor's code for the first plan peaks 1 B over
     monkeypatch.setattr(inductor_compile, "compiled_peak", _over_on_first_call(calls, budget + 1))
-    captures = _count_captures(monkeypatch)
+    captures = count_captures(monkeypatch)
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
     _step_without_warning(m, x, loss_fn)
     assert len(calls) == 2
@@ -406,7 +391,7 @@ def test_where_the_lowered_budget_has_no_plan_the_leanest_plan_is_compiled_next(
     budget = 180_000
     calls = []
     monkeypatch.setattr(inductor_compile, "compiled_peak", _over_on_first_call(calls, 2 * budget))
-    captures = _count_captures(monkeypatch)
+    captures = count_captures(monkeypatch)
     m = remat_compiler.compile(model, memory_budget=budget, backend="inductor", time_limit_s=2)
     _step_without_warning(m, x, loss_fn)
     assert len(calls) == 2  # the infeasible budget was refused by the solve, before any compile

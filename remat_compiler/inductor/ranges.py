@@ -11,8 +11,8 @@ guards join the ShapeEnv's conditions, checked at the bound, at the first call a
 The first real step is checked against the walk at its own sizes: a walk that missed bytes there
 proves nothing at the bound, and the next call gives the range up.
 
-Where the walk at the bound peaks above the budget, the range is planned again under a budget lowered
-by the overshoot, or at the leanest plan's peak where that lower budget has no plan, as the backend
+Where the walk at the bound peaks above the budget, the range is planned again (its one capture
+partitioned and compiled again, not traced again) under a budget lowered by the overshoot, or at the leanest plan's peak where that lower budget has no plan, as the backend
 does on one shape (:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS` times). Where that does
 not get under it, where Inductor cannot compile the symbolic graphs or its code cannot be read, or a
 size is not provably monotone, the range is given up (:class:`~remat_compiler.dynamic.DynamicShapeError`):
@@ -35,7 +35,8 @@ from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeErro
 from remat_compiler.inductor.walk import symbolic_sizes
 from remat_compiler.pipeline import PlanSpec
 from remat_compiler.runtime import distributed
-from remat_compiler.trace import aot_step
+from remat_compiler.trace import aot_logs_wanted
+from remat_compiler.trace.again import aot_step_again
 
 __all__ = ["first_call_range", "InductorRange"]
 
@@ -64,28 +65,27 @@ def first_call_range(module, entry, inputs: list[torch.Tensor]):
                                 "budget")
     warm.start()  # Inductor's probe of the CPU, beside the trace and the solve
     entry.inductor = entry.inductor or InductorState()
-    planning_bytes, over_at, why = None, None, None
-    for _ in range(INDUCTOR_REPLANS + 1):
-        try:
-            return trace_and_run_range(module, entry, inputs, InductorRange(planning_bytes))
-        except (CompiledOverBudget, InfeasibleBudgetError) as exc:
-            planning_bytes, over_at, why = replan_after(exc, over_at)
-            if planning_bytes is None:
-                break
-        except (UnreadableCodeError, InductorError) as exc:
-            raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be made or read ({exc})") from exc
-    raise DynamicShapeError(f"Inductor's code for the range's plan does not keep the budget at the bound, "
-                            f"after up to {INDUCTOR_REPLANS} re-plans: {why}")
+    try:
+        return trace_and_run_range(module, entry, inputs, InductorRange())
+    except (UnreadableCodeError, InductorError) as exc:
+        raise DynamicShapeError(f"Inductor's code over symbolic sizes could not be made or read ({exc})") from exc
 
 
 @dataclasses.dataclass
 class InductorRange:
     """How :func:`~remat_compiler.dynamic.trace_and_run_range` plans, compiles and accepts a range's
     step under Inductor. ``planning_bytes``: the lower budget a re-plan plans under (None: the
-    budget's own); the code is held to the budget's own either way."""
+    budget's own); the code is held to the budget's own either way. The step is captured once;
+    where the walk of a plan's code at the bound peaks above the budget (or the lower budget has no
+    plan), its joint graph is partitioned and compiled again (:func:`~remat_compiler.trace.again.aot_step_again`)
+    under :func:`~remat_compiler.inductor.backend.replan_after`'s budget, up to
+    :data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS` times."""
 
     planning_bytes: int | None = None
     compilers: InductorCompilers | None = None
+    replans: int = 0
+    over_at: int | None = None  # the lowest planning budget whose code peaked above the budget
+    why: str = ""  # why the last try failed
 
     def planning(self, spec: PlanSpec) -> PlanSpec:
         """The spec to plan with: the fused recompute of the Inductor backend, lowered on a re-plan."""
@@ -93,14 +93,38 @@ class InductorRange:
         return spec if self.planning_bytes is None else lowered(spec, self.planning_bytes)
 
     def step(self, entry, spec: PlanSpec, rng: ShapeRange, partition):
-        """The step wrapped in AOTAutograd with Inductor's compilers, walked at the bound."""
+        """The step wrapped in AOTAutograd with Inductor's compilers, walked at the bound, partitioned
+        and compiled again (not traced again) under a lower budget while its code peaks above the budget."""
         def facts():
             at, first = ({str(s): v for s, v in values.items()} for values in (rng.at_bound(), rng.first))
             return dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at, first_at=first)
-        report = first_step_report(entry, spec, 0, walk_relied_on=True)
-        compilers = self.compilers = InductorCompilers(facts, report, on_fakes=True)
-        return aot_step(entry.step, partition, fw_compiler=compilers.forward, bw_compiler=compilers.backward,
-                        decompositions=inductor.DECOMPOSITIONS)
+
+        def attempt() -> tuple:
+            report = first_step_report(entry, spec, 0, walk_relied_on=True)
+            self.compilers = InductorCompilers(facts, report, on_fakes=True)
+            return partition, self.compilers.forward, self.compilers.backward
+
+        first, fw_compiler, bw_compiler = attempt()
+        return aot_step_again(entry.step, first, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                              decompositions=inductor.DECOMPOSITIONS, again=lambda exc: self.again(exc, attempt),
+                              errors=(CompiledOverBudget, InfeasibleBudgetError), enable_log=aot_logs_wanted())
+
+    def again(self, exc: CompiledOverBudget | InfeasibleBudgetError, attempt) -> tuple:
+        """After a try whose code peaked above the budget (or whose lower budget had no plan): the
+        next try's ``attempt()``, planning under the budget the re-plan rule gives.
+
+        Raises
+        ------
+        DynamicShapeError
+            After :data:`INDUCTOR_REPLANS` re-plans, or where no lower budget is left to try.
+        InfeasibleBudgetError
+            The user's own budget has no plan at the bound (re-raised)."""
+        self.planning_bytes, self.over_at, self.why = replan_after(exc, self.over_at)
+        if self.planning_bytes is None or self.replans == INDUCTOR_REPLANS:
+            raise DynamicShapeError(f"Inductor's code for the range's plan does not keep the budget at the "
+                                    f"bound, after up to {INDUCTOR_REPLANS} re-plans: {self.why}") from exc
+        self.replans += 1
+        return attempt()
 
     def accept(self, entry, rng: ShapeRange) -> None:
         """Record the code on the entry once its sizes are non-decreasing in each symbol and the

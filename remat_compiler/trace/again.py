@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 
 from remat_compiler.trace import copy_graph_module
 
-__all__ = ["aot_step_again"]
+__all__ = ["aot_step_again", "sizes_as_nodes"]
 
 
 def aot_step_again(step: Callable, partition_fn: Callable, *, fw_compiler: Callable, bw_compiler: Callable,
@@ -65,7 +65,9 @@ def aot_step_again(step: Callable, partition_fn: Callable, *, fw_compiler: Calla
                 state = create_aot_state(stack, flat_fn, fake_args, descs, config, fake_mode, shape_env)
                 state.fw_metadata.act_input_indices = act_input_indices
                 captured = aot_stage1_graph_capture(state, flat_fn)
+                sizes_as_nodes(captured.graph_module)
                 joint = copy_graph_module(captured.graph_module)  # as captured: the first try's passes rewrite it
+                metadata = _copied(state.fw_metadata)  # as captured: stage 2 records the try's saved values in it
                 partition, fw, bw = partition_fn, fw_compiler, bw_compiler
                 while True:
                     try:
@@ -74,8 +76,52 @@ def aot_step_again(step: Callable, partition_fn: Callable, *, fw_compiler: Calla
                     except errors as exc:
                         partition, fw, bw = again(exc)
                         captured = dataclasses.replace(captured, graph_module=copy_graph_module(joint))
+                        state.fw_metadata = _copied(metadata)
             compiled.append((fn, out_spec))
         fn, out_spec = compiled[0]
         return out_spec.unflatten(fn(flat_args))
 
     return run
+
+
+def _copied(metadata):
+    """A copy of AOTAutograd's metadata of the step with containers of its own: stage 2 adds to them
+    (``dynamic_saved_tensors_idxs``: which saved values have symbolic sizes, by position), so a try
+    after one that saved other values must start from them as captured."""
+    import copy
+
+    out = copy.copy(metadata)
+    for name, value in vars(metadata).items():
+        if isinstance(value, (dict, list, set)):
+            setattr(out, name, copy.copy(value))
+    return out
+
+
+def sizes_as_nodes(gm) -> None:
+    """Give each size symbol of ``gm``'s inputs a node (``aten.sym_size.int`` of the first input
+    dimension it sizes), placed after the inputs, as Dynamo's graphs have theirs as inputs.
+
+    AOTAutograd's pass turning Python float arithmetic on sizes into tensor ops
+    (``tensorify_python_scalars``, run on the joint graph before it is partitioned) reads each symbol
+    from such a node: over symbolic sizes with Inductor's decompositions (``mse_loss``'s backward
+    scales by ``2 / numel``), it failed with ``KeyError: s10`` without them. Nodes nothing reads are
+    removed by that pass; a graph of static sizes is left as it is."""
+    import torch
+    import sympy
+
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if not placeholders:
+        return
+    named = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" and isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+            named.add(val.node.expr)
+    with gm.graph.inserting_after(placeholders[-1]):
+        for node in placeholders:
+            val = node.meta.get("val")
+            for dim, size in enumerate(getattr(val, "shape", ())):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
+                        and size.node.expr not in named:
+                    named.add(size.node.expr)
+                    gm.graph.call_function(torch.ops.aten.sym_size.int, (node, dim)).meta["val"] = size
