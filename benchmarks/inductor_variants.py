@@ -16,6 +16,8 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
 - ``unstored shared values``: the same, without :func:`remat_compiler.inductor.store_shared_values`
   (a pointwise value several layers read is computed again inside each layer's kernel, as before
   session 22); its gain shows where the plan saves such a value, e.g. ``--budget-bytes 71303168``;
+- ``horizontal fusion``: the same, with Inductor's horizontal fusion on (one kernel for values of
+  which neither reads the other), as before :func:`remat_compiler.inductor.compile.in_plan_order`;
 - ``torch.compile``: Inductor with its own partitioner at ``activation_memory_budget``;
 - with ``--above 2.5 5``: ``as built`` planned under the budget plus each of these MiB (the room the
   walk of Inductor's code leaves under the budget, given to the planner), marked where the walk of
@@ -49,7 +51,8 @@ __all__ = ["VARIANTS", "variant", "main"]
 #: torch.compile's measured step peak at activation_memory_budget 1.0 on the benchmark GPT-2
 #: (RESULTS.md, "gpt2: the budget-1.0 point again", session 13): the budget remat_compiler gets there
 GPT2_PEER_PEAK_BYTES = 152_166_400
-VARIANTS = ("as built", "joint passes", "no fused recompute", "unmerged index work", "unstored shared values")
+VARIANTS = ("as built", "joint passes", "no fused recompute", "unmerged index work", "unstored shared values",
+            "horizontal fusion")
 
 
 @contextlib.contextmanager
@@ -64,7 +67,7 @@ def variant(name: str):
     from remat_compiler import passes
 
     annotate, fusing = module.annotate_joint, backend.fusing
-    pass_list, store = passes.PASSES, inductor_compile.store_shared_values
+    pass_list, store, order = passes.PASSES, inductor_compile.store_shared_values, inductor_compile.in_plan_order
 
     def with_joint_passes(joint, step):
         with config.patch(fallback_random=True):
@@ -80,13 +83,17 @@ def variant(name: str):
         passes.PASSES = tuple(p for p in pass_list if p.run is not passes.merge_repeated_index_work)
     elif name == "unstored shared values":
         inductor_compile.store_shared_values = lambda gm: []
+    elif name == "horizontal fusion":
+        from torch._inductor.choices import InductorChoices
+
+        inductor_compile.in_plan_order = InductorChoices
     elif name != "as built":
         raise ValueError(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
     try:
         yield
     finally:
         module.annotate_joint, backend.fusing, passes.PASSES = annotate, fusing, pass_list
-        inductor_compile.store_shared_values = store
+        inductor_compile.store_shared_values, inductor_compile.in_plan_order = store, order
 
 
 def main(argv=None) -> None:
@@ -98,6 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--time-limit", type=float, default=25.0, help="CP-SAT seconds per solve")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which variants, comma-separated")
     parser.add_argument("--above", type=float, nargs="*", default=[],
                         help="also 'as built' planned under the budget plus each of these MiB")
     args = parser.parse_args(argv)
@@ -107,7 +115,11 @@ def main(argv=None) -> None:
     state = model.state_dict()
 
     runners = {}
-    planned_under = {name: (name, args.budget_bytes) for name in VARIANTS}  # runner -> (variant, budget)
+    chosen = [name for name in args.variants.split(",") if name]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; from {', '.join(VARIANTS)}")
+    planned_under = {name: (name, args.budget_bytes) for name in chosen}  # runner -> (variant, budget)
     for mib in args.above:
         planned_under[f"as built, +{mib:g} MiB"] = ("as built", args.budget_bytes + round(mib * 2**20))
     for name, (_, budget) in planned_under.items():

@@ -271,9 +271,10 @@ def test_inductor_compiles_one_plan_for_every_length_and_walks_its_code_at_the_b
 
 def test_inductor_range_replans_lower_on_its_one_capture_while_its_code_at_the_bound_peaks_above(monkeypatch,
                                                                                                    solves):
-    """Where the walk of the range's Inductor code at the bound peaks above the budget (here: the first
-    walk, 1 byte over), the range is planned again under the budget lowered by the overshoot, as on one
-    shape, on the step's one capture (partitioned and compiled again, not traced again); the code
+    """Where the walk of the range's Inductor code at the bound peaks above the budget (here: that of
+    the first two tries, 1 byte over), the range is planned again on the step's one capture
+    (partitioned and compiled again, not traced again), as on one shape: under the same budget
+    compiled without horizontal fusion, then under the budget lowered by the overshoot; the code
     accepted serves the range with eager's gradients."""
     import remat_compiler.inductor.compile as inductor_compile
     import remat_compiler.inductor.ranges as ranges
@@ -286,10 +287,10 @@ def test_inductor_range_replans_lower_on_its_one_capture_while_its_code_at_the_b
         limits.append(noted.limit_bytes)
         return noted
 
-    def first_walk_over(*args, **kwargs):  # the first walk is the first plan's code at the bound
+    def first_walk_over(*args, **kwargs):  # each try walks its code at the bound, then at the first call
         peak = walk(*args, **kwargs)
         walks.append(peak.peak_bytes)
-        if len(walks) == 1:
+        if len(walks) in (1, 3):
             peak.record("backward:pretend", limits[-1] + 1)
         return peak
     monkeypatch.setattr(ranges, "inductor_facts", noting_the_limit)
@@ -306,13 +307,14 @@ def test_inductor_range_replans_lower_on_its_one_capture_while_its_code_at_the_b
         assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
         for name, g in grads.items():
             assert torch.allclose(g, want[name], rtol=1e-4, atol=1e-5), (b, name)
-    assert captures == [1] and solves[0] == 2  # two plans of one trace
+    assert captures == [1] and solves[0] == 3  # three plans of one trace, the second in the plan's order
     assert m.planned.backend == "inductor" and m.plan.extras["shape_range"]["bounds"]
     assert m.plan.budget_bytes < limits[0] and m.planned.compiled.peak_bytes <= limits[0]
 
 
-def test_the_range_replan_rule_lowers_by_the_overshoot_then_tries_the_leanest_plan_then_gives_up():
-    """The rule of the range's re-plans, as on one shape: the lower of budget and plan less the
+def test_the_range_replan_rule_compiles_in_order_then_lowers_by_the_overshoot_then_gives_up():
+    """The rule of the range's re-plans, as on one shape: after the first code above the budget, the
+    same budget compiled without horizontal fusion; then the lower of budget and plan less the
     overshoot; where that has no plan, the leanest plan's peak; after INDUCTOR_REPLANS re-plans, the
     range is given up (each shape then on its own)."""
     from remat_compiler.emitted import EmittedPeak
@@ -329,25 +331,28 @@ def test_the_range_replan_rule_lowers_by_the_overshoot_then_tries_the_leanest_pl
     planned_under = []
 
     def attempt():
-        planned_under.append(rng.planning_bytes)
+        planned_under.append((rng.planning_bytes, rng.in_order))
         return "the next try"
-    for live in (1080, 1060):
+    for live in (1100, 1080, 1060):
         assert rng.again(over(live), attempt) == "the next try"
-    assert planned_under == [990 - 80, 990 - 60]  # the lower of budget and plan, less the overshoot
+    # in order under the budget's own; then the lower of budget and plan, less the overshoot
+    assert planned_under == [(None, True), (990 - 80, True), (990 - 60, True)]
     assert rng.planning(pipeline.PlanSpec.make(0.5, "cpsat", {})).budget.bytes == 990 - 60
 
     rng, planned_under[:] = InductorRange(), []
     rng.again(over(1100), attempt)
+    rng.again(over(1100), attempt)
     rng.again(rc.InfeasibleBudgetError(890, 950, proven=False), attempt)  # then the leanest plan's peak
-    assert planned_under == [890, 950]
+    assert planned_under == [(None, True), (890, True), (950, True)]
 
     rng = InductorRange()
-    for _ in range(INDUCTOR_REPLANS):
+    for _ in range(INDUCTOR_REPLANS + 1):  # the try in order, then the re-plans
         rng.again(over(1100), attempt)
     with pytest.raises(DynamicShapeError, match=f"after up to {INDUCTOR_REPLANS} re-plans"):
         rng.again(over(1100), attempt)
     with pytest.raises(rc.InfeasibleBudgetError):  # the user's own budget has no plan at the bound
         InductorRange().again(rc.InfeasibleBudgetError(890, 950, proven=False), attempt)
+
 
 def test_a_first_step_above_the_walk_at_its_own_sizes_gives_the_range_up_on_the_next_call(monkeypatch):
     """The walk at the bound holds the budget only if the walk is right: the first step is checked

@@ -28,8 +28,8 @@ from remat_compiler.solvers import resolve_budget
 from remat_compiler.trace import aot_logs_wanted, run_traced
 from remat_compiler.trace.again import aot_step_again
 
-__all__ = ["first_call", "fusing", "lowered", "replan_after", "inductor_facts", "first_step_report", "InductorState",
-           "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
+__all__ = ["first_call", "in_plan_order_again", "fusing", "lowered", "replan_after", "inductor_facts",
+           "first_step_report", "InductorState", "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
 
 
 #: How many times the Inductor backend re-plans under a lower budget when Inductor's code for a plan
@@ -90,9 +90,11 @@ def inductor_facts(planned: PlannedGraph, budget: Budget, margin_bytes: int = 0)
 
 def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch.Tensor], *,
                partition: Callable[[PlanSpec], Callable], eager: Callable[[], Any]):
-    """The Inductor backend's first call of a compiled module's entry: plan, compile, and re-plan under
-    a lower budget while Inductor's code peaks above the budget; after :data:`INDUCTOR_REPLANS`
-    re-plans, or when its code cannot be read, run the eager backend's plan instead, with a warning.
+    """The Inductor backend's first call of a compiled module's entry: plan, compile, and where
+    Inductor's code peaks above the budget compile the same plan without horizontal fusion
+    (:func:`in_plan_order_again`), then re-plan under a lower budget while it still does; after
+    :data:`INDUCTOR_REPLANS` re-plans, or when its code cannot be read, run the eager backend's plan
+    instead, with a warning.
 
     Each re-plan lowers the planning budget by what Inductor's code overshot. Where that lower
     budget has no plan, the next try plans at the smallest peak the solve found instead (between
@@ -134,17 +136,22 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         if state.measured_replans > MEASURED_REPLANS:
             why, tries = "the first step of its re-planned code measured above the budget again", 0
     compilers: InductorCompilers | None = None  # the try's
+    in_order = False  # compile without horizontal fusion (after code that peaked above the budget with it)
 
     def attempt(planned_as: PlanSpec) -> tuple:
         """The partition function and compilers of a try planning under ``planned_as``."""
         nonlocal compilers
         compilers = InductorCompilers(lambda: inductor_facts(entry.planned, spec.budget, margin),
-                                      first_step_report(entry, spec, margin))
+                                      first_step_report(entry, spec, margin), in_order=in_order)
         return partition(planned_as), compilers.forward, compilers.backward
 
     def again(exc: CompiledOverBudget | InfeasibleBudgetError) -> tuple:
-        """The next try, on the step traced once, planning lower by what this one's code overshot."""
-        nonlocal planning, over_at, why, tries
+        """The next try, on the step traced once: the same plan compiled in its own order where its
+        code overshot with Inductor's horizontal fusion, else planning lower by what it overshot."""
+        nonlocal planning, over_at, why, tries, in_order
+        if isinstance(exc, CompiledOverBudget) and not in_order:
+            in_order = True
+            return in_plan_order_again(entry, planning, attempt)
         lower, over_at, why = replan_after(exc, over_at)
         tries -= 1
         if lower is None or tries <= 0:
@@ -170,6 +177,21 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     warnings.warn(f"backend='inductor' cannot keep this step under its budget: {why}. It runs the "
                   f"eager backend's plan instead (exact, slower)", RuntimeWarning, stacklevel=5)
     return eager()
+
+
+def in_plan_order_again(entry, planning: PlanSpec, attempt: Callable[[PlanSpec], tuple]) -> tuple:
+    """The try after code that peaked above the budget with Inductor's horizontal fusion: the plan
+    just made (``entry.planned``), not solved again, compiled without horizontal fusion
+    (:func:`remat_compiler.inductor.compile.in_plan_order`; ``attempt`` makes the compilers so), its
+    source kept. Where that code still peaks above the budget, the tries after it plan lower."""
+    made = entry.planned
+    partition_fn, fw_compiler, bw_compiler = attempt(dataclasses.replace(planning, plan=made.plan))
+
+    def partition_again(*args, **kwargs):
+        graphs = partition_fn(*args, **kwargs)
+        entry.planned.source = made.source  # "given" by this try; made by the one before
+        return graphs
+    return partition_again, fw_compiler, bw_compiler
 
 
 class _GiveUp(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -19,7 +20,7 @@ from remat_compiler.inductor.warm import ready
 from remat_compiler.inductor.walk import compiled_peak
 from remat_compiler.passes.shared_values import store_shared_values
 
-__all__ = ["compile_graph", "StepFacts", "InductorCompilers"]
+__all__ = ["compile_graph", "in_plan_order", "StepFacts", "InductorCompilers"]
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def _recording_buffers(into: dict[str, int]) -> Iterator[None]:
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: bool,
-                  num_user_outputs: int = 0) -> InductorGraph:
+                  num_user_outputs: int = 0, in_order: bool = False) -> InductorGraph:
     """Compile one of a plan's graphs with Inductor (``compile_fx_inner``), recording its buffers.
 
     The outputs the caller sees keep the strides the traced graph gives them, as ``torch.compile``
@@ -61,10 +62,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     stays alive between the two, which Inductor allows where its estimate of the graph's own peak
     does not grow, an estimate without the saved values the backward holds; each buffer is then freed
     at its last use, as the plan frees it (on Mixtral's backward the pool kept 2 MiB across the
-    step's peak, above the plan: a re-plan and a second compile).
+    step's peak, above the plan: a re-plan and a second compile). With ``in_order`` its horizontal
+    fusion is off too (:func:`in_plan_order`).
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.virtualized import V
 
     from remat_compiler.collectives import as_library_ops
 
@@ -76,7 +79,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
     buffers: dict[str, int] = {}
     ready()  # the CPU's probe, begun by the first call (warm.start)
-    with _recording_buffers(buffers), config.patch(fx_graph_cache=False, allow_buffer_reuse=False):
+    with _recording_buffers(buffers), config.patch(fx_graph_cache=False, allow_buffer_reuse=False), \
+            (V.set_choices_handler(in_plan_order()) if in_order else contextlib.nullcontext()):
         if backward:
             fn = compile_fx_inner(gm, example_inputs, is_backward=True)
         else:
@@ -85,6 +89,35 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     if not isinstance(source, str):
         raise UnreadableCodeError(f"Inductor returned {type(fn).__name__} without its generated source")
     return InductorGraph(fn, source, buffers)
+
+
+@functools.lru_cache(maxsize=None)
+def in_plan_order():
+    """Inductor's heuristics (``InductorChoices``) less horizontal fusion: no kernel computes two values
+    of which neither reads the other. The backend compiles a plan this way when the code Inductor
+    wrote for it with its own heuristics peaks above the budget, before planning lower
+    (:func:`remat_compiler.inductor.backend.first_call`).
+
+    The plan fixes when each value is made and freed. Inductor's fusion of a producer into its
+    reader (vertical) keeps that order, and the plan's model prices the pointwise values it fuses
+    (:mod:`remat_compiler.fusion`). Fusing readers that only share inputs (horizontal) makes one
+    kernel of values the plan makes apart, and the kernel's outputs are all allocated before it
+    runs, beside all of its inputs: on the Llama of ``benchmarks.fusion_gap`` the SwiGLU backward's
+    three gradients (512 KiB each) then lived together with its three inputs, 386 KB above every
+    plan's peak, so the first plan's code overshot the budget and the re-plan lowered by that
+    recomputed 0.101 GFLOP where ``torch.compile`` recomputed 0.067 at the same measured peak. The
+    same plan compiled without horizontal fusion walks exactly its plan's peak, recomputing 0.067
+    GFLOP. Horizontal fusion saves reads, so it stays on where the code fits: without it, GPT-2's
+    step at the budget-1.0 point of ``benchmarks.inductor_variants`` took 161.2 ms against 150.3.
+    """
+    from torch._inductor.choices import InductorChoices
+
+    class InPlanOrder(InductorChoices):
+        @staticmethod
+        def can_fuse_horizontal(scheduler, node1, node2, shared_data_score) -> bool:
+            return False
+
+    return InPlanOrder()
 
 
 @dataclass(frozen=True)
@@ -127,11 +160,15 @@ class InductorCompilers:
         The compiled forward runs the emitted graph itself where its inputs are FakeTensors
         (:attr:`InductorGraph.on_fakes`): a range of shapes compiles its code in the symbolic
         trace's one run on fakes, which Inductor's kernels cannot run.
+    in_order : bool
+        Compile without Inductor's horizontal fusion (:func:`in_plan_order`).
     """
 
     def __init__(self, facts: Callable[[], StepFacts],
-                 on_first_step: Callable[[int, int, EmittedPeak], None] | None = None, *, on_fakes: bool = False):
+                 on_first_step: Callable[[int, int, EmittedPeak], None] | None = None, *, on_fakes: bool = False,
+                 in_order: bool = False):
         self._facts = facts
+        self.in_order = in_order  # compiled without horizontal fusion (in_plan_order)
         self._on_first_step = on_first_step
         self._on_fakes = on_fakes
         self.fw: InductorGraph | None = None
@@ -146,12 +183,14 @@ class InductorCompilers:
         if self._on_fakes:
             with torch._subclasses.fake_tensor.unset_fake_temporarily():
                 emitted = copy.deepcopy(gm)  # before Inductor's passes rewrite gm in place
-        self.fw = compile_graph(gm, example_inputs, backward=False, num_user_outputs=facts.num_fwd_outputs)
+        self.fw = compile_graph(gm, example_inputs, backward=False, num_user_outputs=facts.num_fwd_outputs,
+                                in_order=self.in_order)
         self.fw.on_fakes = emitted
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             bw_gm = copy.deepcopy(facts.bw)
         self._bw_code = bw_gm.code  # before Inductor's passes rewrite bw_gm in place
-        self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True)
+        self.bw = compile_graph(bw_gm, _backward_inputs(bw_gm, self.fw, facts.num_fwd_outputs), backward=True,
+                                in_order=self.in_order)
         def walked(at):
             return compiled_peak(self.fw, self.bw, gm, bw_gm, num_fwd_outputs=facts.num_fwd_outputs,
                                  input_updates=facts.input_updates, hold_outputs=facts.hold_outputs,

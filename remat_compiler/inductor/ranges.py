@@ -12,8 +12,10 @@ The first real step is checked against the walk at its own sizes: a walk that mi
 proves nothing at the bound, and the next call gives the range up.
 
 Where the walk at the bound peaks above the budget, the range is planned again (its one capture
-partitioned and compiled again, not traced again) under a budget lowered by the overshoot, or at the leanest plan's peak where that lower budget has no plan, as the backend
-does on one shape (:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS` times). Where that does
+partitioned and compiled again, not traced again), as the backend does on one shape: first under
+the same budget, compiled without Inductor's horizontal fusion, then under a budget lowered by the
+overshoot, or at the leanest plan's peak where that lower budget has no plan
+(:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS` times). Where that does
 not get under it, where Inductor cannot compile the symbolic graphs or its code cannot be read, or a
 size is not provably monotone, the range is given up (:class:`~remat_compiler.dynamic.DynamicShapeError`):
 each shape is then planned and compiled on its own, with the one-shape backend's re-plans and fallback.
@@ -86,6 +88,7 @@ class InductorRange:
     replans: int = 0
     over_at: int | None = None  # the lowest planning budget whose code peaked above the budget
     why: str = ""  # why the last try failed
+    in_order: bool = False  # compiled without horizontal fusion (after code that overshot with it)
 
     def planning(self, spec: PlanSpec) -> PlanSpec:
         """The spec to plan with: the fused recompute of the Inductor backend, lowered on a re-plan."""
@@ -101,7 +104,7 @@ class InductorRange:
 
         def attempt() -> tuple:
             report = first_step_report(entry, spec, 0, walk_relied_on=True)
-            self.compilers = InductorCompilers(facts, report, on_fakes=True)
+            self.compilers = InductorCompilers(facts, report, on_fakes=True, in_order=self.in_order)
             return partition, self.compilers.forward, self.compilers.backward
 
         first, fw_compiler, bw_compiler = attempt()
@@ -111,7 +114,10 @@ class InductorRange:
 
     def again(self, exc: CompiledOverBudget | InfeasibleBudgetError, attempt) -> tuple:
         """After a try whose code peaked above the budget (or whose lower budget had no plan): the
-        next try's ``attempt()``, planning under the budget the re-plan rule gives.
+        next try's ``attempt()``: the first time code overshoots, planned under the same budget and
+        compiled without Inductor's horizontal fusion
+        (:func:`~remat_compiler.inductor.compile.in_plan_order`); then planning under the budget the
+        re-plan rule gives.
 
         Raises
         ------
@@ -119,6 +125,9 @@ class InductorRange:
             After :data:`INDUCTOR_REPLANS` re-plans, or where no lower budget is left to try.
         InfeasibleBudgetError
             The user's own budget has no plan at the bound (re-raised)."""
+        if isinstance(exc, CompiledOverBudget) and not self.in_order:
+            self.in_order = True
+            return attempt()
         self.planning_bytes, self.over_at, self.why = replan_after(exc, self.over_at)
         if self.planning_bytes is None or self.replans == INDUCTOR_REPLANS:
             raise DynamicShapeError(f"Inductor's code for the range's plan does not keep the budget at the "

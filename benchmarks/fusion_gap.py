@@ -1,0 +1,136 @@
+"""Why the Inductor backend recomputes more than ``torch.compile`` at the peak ``torch.compile`` reaches
+(issue 35's FLOP target against FSDP2 + ``torch.compile`` every layer, on one device): the test Llama
+of ``benchmarks.fsdp_peers`` (hidden 128, 4 layers, batch 2 x 256), each decoder layer compiled as
+torchtitan compiles it, at ``activation_memory_budget`` 0.5 and 0.3; then ``compile(...,
+backend="inductor", hold_outputs=False)`` at each measured peak, with every try of its first call:
+the plan's own peak (the model of the unfused graph), the walk of Inductor's code for it and where
+that peaks, and what the accepted plan recomputes.
+
+    python -m benchmarks.fusion_gap
+
+Peaks are the allocator's (:class:`remat_compiler.memory.AllocatorPeak`), one step after two warm
+ones; the peer's recomputed FLOPs are counted on the twin of ``benchmarks.fsdp_peers`` (its
+partitioner's graphs run op by op), ours are the plan's. FLOPs and bytes are exact; one torch thread.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+__all__ = ["main"]
+
+
+def _ids():
+    from benchmarks.fsdp_peers import BATCH, SEQ, SIZES
+
+    return torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _llama(backend=None):
+    import transformers
+
+    from benchmarks.fsdp_peers import SIZES
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+    if backend is not None:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer, backend=backend)
+    return model
+
+
+def _step(model, ids) -> None:
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+
+
+def _peak(model, ids) -> int:
+    from remat_compiler.memory import AllocatorPeak
+
+    _step(model, ids)
+    _step(model, ids)
+    model.zero_grad(set_to_none=True)
+    with AllocatorPeak() as meter:
+        model(ids, labels=ids).loss.backward()
+    return meter.peak_bytes
+
+
+def peer(budget: float, ids) -> dict:
+    """``torch.compile`` every layer at ``activation_memory_budget=budget``: its peak and recomputed FLOPs."""
+    from benchmarks.fsdp_peers import _counting_backend
+
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        peak = _peak(_llama("inductor"), ids)
+    counted = {}
+    for b in (budget, 1.0):  # the twin at the budget, less the twin asked for no recompute
+        torch._dynamo.reset()
+        total = [0]
+        with torch._functorch.config.patch(activation_memory_budget=b):
+            model = _llama(_counting_backend(total))
+            _step(model, ids)
+            total[0] = 0
+            _step(model, ids)
+        counted[b] = total[0]
+    return {"peak": peak, "recompute_flops": counted[budget] - counted[1.0]}
+
+
+def ours(budget_bytes: int, ids, time_limit_s: float) -> dict:
+    """The Inductor backend's first call at ``budget_bytes``: each try's plan peak and walk, the plan
+    accepted, what it recomputes and its measured peak."""
+    import remat_compiler as rc
+    import remat_compiler.inductor.compile as inductor_compile
+    import remat_compiler.inductor.graph as graph
+    from remat_compiler.memory import AllocatorPeak
+
+    tries, walk, over = [], inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__
+
+    def walked(*args, **kwargs):
+        peak = walk(*args, **kwargs)
+        tries.append({"walk": peak.peak_bytes, "at": peak.peak_node})
+        return peak
+
+    def overshot(self, peak, limit_bytes, plan_peak_bytes):
+        tries[-1]["plan"] = plan_peak_bytes
+        over(self, peak, limit_bytes, plan_peak_bytes)
+    inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__ = walked, overshot
+    try:
+        model = _llama()
+        m = rc.compile(model, memory_budget=budget_bytes, backend="inductor", hold_outputs=False,
+                       time_limit_s=time_limit_s)
+        m(ids, labels=ids).loss.backward()
+    finally:
+        inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__ = walk, over
+    tries[-1]["plan"] = m.plan.peak_bytes
+    model.zero_grad(set_to_none=True)
+    with AllocatorPeak() as meter:
+        m(ids, labels=ids).loss.backward()
+    return {"tries": tries, "recompute_flops": m.plan.recompute_flops, "measured": meter.peak_bytes,
+            "runs_as": m.planned.backend}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", default="0.5,0.3", help="torch.compile's activation_memory_budget points")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per solve")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    ids = _ids()
+    print("| peer budget | peer peak | peer recomputed | try | our plan's peak | walk of its code (at) | "
+          "ours recomputed | ours measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    for budget in (float(b) for b in args.budgets.split(",")):
+        p = peer(budget, ids)
+        o = ours(p["peak"], ids, args.time_limit)
+        for i, t in enumerate(o["tries"]):
+            last = i == len(o["tries"]) - 1
+            accepted = (f"{o['recompute_flops'] / 1e9:.3f} G | {o['measured']:,} ({o['runs_as']})" if last
+                        else "- | -")
+            print(f"| {budget} | {p['peak']:,} | {p['recompute_flops'] / 1e9:.3f} G | {i + 1} | {t.get('plan', 0):,} | "
+                  f"{t['walk']:,} ({t['at']}) | {accepted} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
