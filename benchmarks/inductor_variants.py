@@ -16,8 +16,9 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
 - ``unstored shared values``: the same, without :func:`remat_compiler.inductor.store_shared_values`
   (a pointwise value several layers read is computed again inside each layer's kernel, as before
   session 22); its gain shows where the plan saves such a value, e.g. ``--budget-bytes 71303168``;
-- ``horizontal fusion``: the same, with Inductor's horizontal fusion on (one kernel for values of
-  which neither reads the other), as before :func:`remat_compiler.inductor.compile.in_plan_order`;
+- ``in plan order``: the same, every graph compiled without Inductor's horizontal fusion (one kernel
+  for values of which neither reads the other; :func:`remat_compiler.inductor.compile.in_plan_order`),
+  which the backend does only after code that walked above the budget;
 - ``torch.compile``: Inductor with its own partitioner at ``activation_memory_budget``;
 - with ``--above 2.5 5``: ``as built`` planned under the budget plus each of these MiB (the room the
   walk of Inductor's code leaves under the budget, given to the planner), marked where the walk of
@@ -52,7 +53,7 @@ __all__ = ["VARIANTS", "variant", "main"]
 #: (RESULTS.md, "gpt2: the budget-1.0 point again", session 13): the budget remat_compiler gets there
 GPT2_PEER_PEAK_BYTES = 152_166_400
 VARIANTS = ("as built", "joint passes", "no fused recompute", "unmerged index work", "unstored shared values",
-            "horizontal fusion")
+            "in plan order")
 
 
 @contextlib.contextmanager
@@ -67,7 +68,8 @@ def variant(name: str):
     from remat_compiler import passes
 
     annotate, fusing = module.annotate_joint, backend.fusing
-    pass_list, store, order = passes.PASSES, inductor_compile.store_shared_values, inductor_compile.in_plan_order
+    pass_list, store = passes.PASSES, inductor_compile.store_shared_values
+    compile_graph = inductor_compile.compile_graph
 
     def with_joint_passes(joint, step):
         with config.patch(fallback_random=True):
@@ -83,17 +85,15 @@ def variant(name: str):
         passes.PASSES = tuple(p for p in pass_list if p.run is not passes.merge_repeated_index_work)
     elif name == "unstored shared values":
         inductor_compile.store_shared_values = lambda gm: []
-    elif name == "horizontal fusion":
-        from torch._inductor.choices import InductorChoices
-
-        inductor_compile.in_plan_order = InductorChoices
+    elif name == "in plan order":
+        inductor_compile.compile_graph = lambda *args, **kwargs: compile_graph(*args, **{**kwargs, "in_order": True})
     elif name != "as built":
         raise ValueError(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
     try:
         yield
     finally:
         module.annotate_joint, backend.fusing, passes.PASSES = annotate, fusing, pass_list
-        inductor_compile.store_shared_values, inductor_compile.in_plan_order = store, order
+        inductor_compile.store_shared_values, inductor_compile.compile_graph = store, compile_graph
 
 
 def main(argv=None) -> None:
