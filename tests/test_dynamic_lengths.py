@@ -273,9 +273,8 @@ def test_inductor_range_replans_lower_on_its_one_capture_while_its_code_at_the_b
                                                                                                    solves):
     """Where the walk of the range's Inductor code at the bound peaks above the budget (here: that of
     the first two tries, 1 byte over), the range is planned again on the step's one capture
-    (partitioned and compiled again, not traced again), as on one shape: under the same budget
-    compiled without horizontal fusion, then under the budget lowered by the overshoot; the code
-    accepted serves the range with eager's gradients."""
+    (partitioned and compiled again, not traced again), as on one shape (the rule:
+    test_the_range_replan_rule_...); the code accepted serves the range with eager's gradients."""
     import remat_compiler.inductor.compile as inductor_compile
     import remat_compiler.inductor.ranges as ranges
 
@@ -307,16 +306,18 @@ def test_inductor_range_replans_lower_on_its_one_capture_while_its_code_at_the_b
         assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
         for name, g in grads.items():
             assert torch.allclose(g, want[name], rtol=1e-4, atol=1e-5), (b, name)
-    assert captures == [1] and solves[0] == 3  # three plans of one trace, the second in the plan's order
+    assert captures == [1] and solves[0] == 3  # three plans of one trace
     assert m.planned.backend == "inductor" and m.plan.extras["shape_range"]["bounds"]
     assert m.plan.budget_bytes < limits[0] and m.planned.compiled.peak_bytes <= limits[0]
 
 
 def test_the_range_replan_rule_compiles_in_order_then_lowers_by_the_overshoot_then_gives_up():
-    """The rule of the range's re-plans, as on one shape: after the first code above the budget, the
-    same budget compiled without horizontal fusion; then the lower of budget and plan less the
-    overshoot; where that has no plan, the leanest plan's peak; after INDUCTOR_REPLANS re-plans, the
-    range is given up (each shape then on its own)."""
+    """The rule of the range's re-plans, as on one shape: after the first code above the budget with
+    horizontal fusion in it, the same budget compiled without; then the lower of budget and plan less
+    the overshoot; where that has no plan, the leanest plan's peak; after INDUCTOR_REPLANS re-plans,
+    the range is given up (each shape then on its own)."""
+    from types import SimpleNamespace
+
     from remat_compiler.emitted import EmittedPeak
     from remat_compiler.inductor.backend import INDUCTOR_REPLANS
     from remat_compiler.inductor.graph import CompiledOverBudget
@@ -327,7 +328,8 @@ def test_the_range_replan_rule_compiles_in_order_then_lowers_by_the_overshoot_th
         peak.record("backward:buf9", live)
         return CompiledOverBudget(peak, limit_bytes=1000, plan_peak_bytes=990)
 
-    rng = InductorRange()
+    fused, unfused = SimpleNamespace(fused_horizontally=True), SimpleNamespace(fused_horizontally=False)
+    rng = InductorRange(compilers=fused)
     planned_under = []
 
     def attempt():
@@ -339,13 +341,17 @@ def test_the_range_replan_rule_compiles_in_order_then_lowers_by_the_overshoot_th
     assert planned_under == [(None, True), (990 - 80, True), (990 - 60, True)]
     assert rng.planning(pipeline.PlanSpec.make(0.5, "cpsat", {})).budget.bytes == 990 - 60
 
-    rng, planned_under[:] = InductorRange(), []
+    rng, planned_under[:] = InductorRange(compilers=unfused), []  # no horizontal fusion: lower at once
+    rng.again(over(1100), attempt)
+    assert planned_under == [(890, False)]
+
+    rng, planned_under[:] = InductorRange(compilers=fused), []
     rng.again(over(1100), attempt)
     rng.again(over(1100), attempt)
     rng.again(rc.InfeasibleBudgetError(890, 950, proven=False), attempt)  # then the leanest plan's peak
     assert planned_under == [(None, True), (890, True), (950, True)]
 
-    rng = InductorRange()
+    rng = InductorRange(compilers=fused)
     for _ in range(INDUCTOR_REPLANS + 1):  # the try in order, then the re-plans
         rng.again(over(1100), attempt)
     with pytest.raises(DynamicShapeError, match=f"after up to {INDUCTOR_REPLANS} re-plans"):

@@ -147,9 +147,9 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
 
     def again(exc: CompiledOverBudget | InfeasibleBudgetError) -> tuple:
         """The next try, on the step traced once: the same plan compiled in its own order where its
-        code overshot with Inductor's horizontal fusion, else planning lower by what it overshot."""
+        code overshot with Inductor's horizontal fusion in it, else planning lower by what it overshot."""
         nonlocal planning, over_at, why, tries, in_order
-        if isinstance(exc, CompiledOverBudget) and not in_order:
+        if isinstance(exc, CompiledOverBudget) and not in_order and compilers.fused_horizontally:
             in_order = True
             return in_plan_order_again(entry, planning, attempt)
         lower, over_at, why = replan_after(exc, over_at)

@@ -79,8 +79,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
     buffers: dict[str, int] = {}
     ready()  # the CPU's probe, begun by the first call (warm.start)
+    choices = in_plan_order() if in_order else _noting_horizontal_fusion()
     with _recording_buffers(buffers), config.patch(fx_graph_cache=False, allow_buffer_reuse=False), \
-            (V.set_choices_handler(in_plan_order()) if in_order else contextlib.nullcontext()):
+            V.set_choices_handler(choices):
         if backward:
             fn = compile_fx_inner(gm, example_inputs, is_backward=True)
         else:
@@ -88,7 +89,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     source = getattr(fn, "source_code", None)
     if not isinstance(source, str):
         raise UnreadableCodeError(f"Inductor returned {type(fn).__name__} without its generated source")
-    return InductorGraph(fn, source, buffers)
+    return InductorGraph(fn, source, buffers, fused_horizontally=bool(getattr(choices, "fused", False)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,6 +119,27 @@ def in_plan_order():
             return False
 
     return InPlanOrder()
+
+
+def _noting_horizontal_fusion():
+    """Inductor's own heuristics, noting (``fused``) whether they allowed a horizontal fusion: where
+    none was, the code compiled :func:`in_plan_order` would be the same."""
+    return _noting_class()()
+
+
+@functools.lru_cache(maxsize=None)
+def _noting_class():
+    from torch._inductor.choices import InductorChoices
+
+    class NotingHorizontalFusion(InductorChoices):
+        fused = False
+
+        def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score) -> bool:
+            fuses = InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+            self.fused = self.fused or fuses
+            return fuses
+
+    return NotingHorizontalFusion
 
 
 @dataclass(frozen=True)
@@ -176,6 +198,11 @@ class InductorCompilers:
         self.peak: EmittedPeak | None = None
         self.first_peak: EmittedPeak | None = None  # the walk at the first step's sizes (see StepFacts.first_at)
         self._bw_code: str | None = None
+
+    @property
+    def fused_horizontally(self) -> bool:
+        """Whether Inductor fused values of which neither reads the other in the graphs compiled."""
+        return any(g is not None and g.fused_horizontally for g in (self.fw, self.bw))
 
     def forward(self, gm: fx.GraphModule, example_inputs) -> InductorGraph:
         facts = self._facts()

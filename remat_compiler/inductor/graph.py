@@ -46,11 +46,15 @@ class InductorGraph:
     on_fakes : GraphModule, optional
         The graph compiled, run instead where the inputs are FakeTensors (see
         :class:`~remat_compiler.inductor.compile.InductorCompilers`); cleared once the code is accepted.
+    fused_horizontally : bool
+        Whether Inductor fused values of which neither reads the other into one kernel (see
+        :func:`~remat_compiler.inductor.compile.in_plan_order`).
     """
 
     fn: Callable
     source: str
     buffer_bytes: dict[str, Any] = field(default_factory=dict)
+    fused_horizontally: bool = False
     check: Any = None  # a FirstStepCheck (.first_step) measuring this graph's first run (then cleared)
     on_fakes: Any = None
 

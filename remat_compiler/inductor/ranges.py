@@ -114,8 +114,8 @@ class InductorRange:
 
     def again(self, exc: CompiledOverBudget | InfeasibleBudgetError, attempt) -> tuple:
         """After a try whose code peaked above the budget (or whose lower budget had no plan): the
-        next try's ``attempt()``: the first time code overshoots, planned under the same budget and
-        compiled without Inductor's horizontal fusion
+        next try's ``attempt()``: the first time code with horizontal fusion in it overshoots, planned
+        under the same budget and compiled without Inductor's horizontal fusion
         (:func:`~remat_compiler.inductor.compile.in_plan_order`); then planning under the budget the
         re-plan rule gives.
 
@@ -125,7 +125,7 @@ class InductorRange:
             After :data:`INDUCTOR_REPLANS` re-plans, or where no lower budget is left to try.
         InfeasibleBudgetError
             The user's own budget has no plan at the bound (re-raised)."""
-        if isinstance(exc, CompiledOverBudget) and not self.in_order:
+        if isinstance(exc, CompiledOverBudget) and not self.in_order and self.compilers.fused_horizontally:
             self.in_order = True
             return attempt()
         self.planning_bytes, self.over_at, self.why = replan_after(exc, self.over_at)
