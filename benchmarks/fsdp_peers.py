@@ -54,13 +54,14 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from remat_compiler.memory import LiveStorageTracker
 
-__all__ = ["ResizeAwareTracker", "run_rank", "main", "WORKLOADS", "PEERS"]
+__all__ = ["ResizeAwareTracker", "run_rank", "main", "recomputed_by_compile", "WORKLOADS", "PEERS"]
 
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4)
@@ -239,16 +240,25 @@ def _recomputed_by_peer(peer: str, workload: str, ids, peer_flops: int | None) -
             _EAGER_FLOPS[workload] = _flops(_step(_model(PEERS[0], workload), ids))
         return peer_flops - _EAGER_FLOPS[workload]
 
-    def twin_flops(budget: float) -> int:
+    return recomputed_by_compile(lambda backend: _step(_model(peer, workload, compile_backend=backend), ids),
+                                 COMPILE_MEMORY_BUDGET)
+
+
+def recomputed_by_compile(make_step: Callable[[Callable], Callable[[], None]], budget: float) -> int:
+    """The FLOPs ``torch.compile``'s partitioner recomputes in a step at ``activation_memory_budget=budget``:
+    the counted FLOPs of a twin (``make_step(backend)``: the model compiled with ``backend``, its step)
+    whose backend is :func:`_counting_backend`, less the same twin's at 1.0 (no recompute asked).
+    Dynamo's caches are reset before each twin (the budget is not one of its guards)."""
+    def twin_flops(at: float) -> int:
         torch._dynamo.reset()
         total = [0]
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            step = _step(_model(peer, workload, compile_backend=_counting_backend(total)), ids)
+        with torch._functorch.config.patch(activation_memory_budget=at):
+            step = make_step(_counting_backend(total))
             step()  # compiles
             total[0] = 0
             step()
         return total[0]
-    return twin_flops(COMPILE_MEMORY_BUDGET) - twin_flops(1.0)
+    return twin_flops(budget) - twin_flops(1.0)
 
 
 def _min_over_ranks(x: int) -> int:

@@ -15,6 +15,7 @@ partitioner's graphs run op by op), ours are the plan's. FLOPs and bytes are exa
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -59,22 +60,13 @@ def _peak(model, ids) -> int:
 
 def peer(budget: float, ids) -> dict:
     """``torch.compile`` every layer at ``activation_memory_budget=budget``: its peak and recomputed FLOPs."""
-    from benchmarks.fsdp_peers import _counting_backend
+    from benchmarks.fsdp_peers import recomputed_by_compile
 
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=budget):
         peak = _peak(_llama("inductor"), ids)
-    counted = {}
-    for b in (budget, 1.0):  # the twin at the budget, less the twin asked for no recompute
-        torch._dynamo.reset()
-        total = [0]
-        with torch._functorch.config.patch(activation_memory_budget=b):
-            model = _llama(_counting_backend(total))
-            _step(model, ids)
-            total[0] = 0
-            _step(model, ids)
-        counted[b] = total[0]
-    return {"peak": peak, "recompute_flops": counted[budget] - counted[1.0]}
+    flops = recomputed_by_compile(lambda backend: functools.partial(_step, _llama(backend), ids), budget)
+    return {"peak": peak, "recompute_flops": flops}
 
 
 def ours(budget_bytes: int, ids, time_limit_s: float) -> dict:

@@ -328,12 +328,14 @@ def test_the_range_replan_rule_compiles_in_order_then_lowers_by_the_overshoot_th
         peak.record("backward:buf9", live)
         return CompiledOverBudget(peak, limit_bytes=1000, plan_peak_bytes=990)
 
-    fused, unfused = SimpleNamespace(fused_horizontally=True), SimpleNamespace(fused_horizontally=False)
+    fused = SimpleNamespace(fused_horizontally=True, in_order=False)  # the first try's code
+    unfused = SimpleNamespace(fused_horizontally=False, in_order=False)
     rng = InductorRange(compilers=fused)
     planned_under = []
 
-    def attempt():
-        planned_under.append((rng.planning_bytes, rng.in_order))
+    def attempt(in_order=False):
+        planned_under.append((rng.planning_bytes, in_order))
+        rng.compilers = SimpleNamespace(fused_horizontally=not in_order, in_order=in_order)
         return "the next try"
     for live in (1100, 1080, 1060):
         assert rng.again(over(live), attempt) == "the next try"

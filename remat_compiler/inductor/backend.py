@@ -28,7 +28,7 @@ from remat_compiler.solvers import resolve_budget
 from remat_compiler.trace import aot_logs_wanted, run_traced
 from remat_compiler.trace.again import aot_step_again
 
-__all__ = ["first_call", "in_plan_order_again", "fusing", "lowered", "replan_after", "inductor_facts",
+__all__ = ["first_call", "in_order_next", "in_plan_order_again", "fusing", "lowered", "replan_after", "inductor_facts",
            "first_step_report", "InductorState", "INDUCTOR_REPLANS", "MEASURED_REPLANS"]
 
 
@@ -136,10 +136,10 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
         if state.measured_replans > MEASURED_REPLANS:
             why, tries = "the first step of its re-planned code measured above the budget again", 0
     compilers: InductorCompilers | None = None  # the try's
-    in_order = False  # compile without horizontal fusion (after code that peaked above the budget with it)
 
-    def attempt(planned_as: PlanSpec) -> tuple:
-        """The partition function and compilers of a try planning under ``planned_as``."""
+    def attempt(planned_as: PlanSpec, in_order: bool = False) -> tuple:
+        """The partition function and compilers of a try planning under ``planned_as`` (compiled
+        without horizontal fusion ``in_order``)."""
         nonlocal compilers
         compilers = InductorCompilers(lambda: inductor_facts(entry.planned, spec.budget, margin),
                                       first_step_report(entry, spec, margin), in_order=in_order)
@@ -147,17 +147,17 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
 
     def again(exc: CompiledOverBudget | InfeasibleBudgetError) -> tuple:
         """The next try, on the step traced once: the same plan compiled in its own order where its
-        code overshot with Inductor's horizontal fusion in it, else planning lower by what it overshot."""
-        nonlocal planning, over_at, why, tries, in_order
-        if isinstance(exc, CompiledOverBudget) and not in_order and compilers.fused_horizontally:
-            in_order = True
-            return in_plan_order_again(entry, planning, attempt)
+        code overshot with Inductor's horizontal fusion in it, else planning lower by what it overshot
+        (compiled in order from then on once a try was)."""
+        nonlocal planning, over_at, why, tries
+        if in_order_next(exc, compilers):
+            return in_plan_order_again(entry, planning, lambda same: attempt(same, in_order=True))
         lower, over_at, why = replan_after(exc, over_at)
         tries -= 1
         if lower is None or tries <= 0:
             raise _GiveUp from exc
         planning = lowered(planning, lower)
-        return attempt(planning)
+        return attempt(planning, in_order=compilers.in_order)
 
     if tries > 0:
         partition_fn, fw_compiler, bw_compiler = attempt(planning)
@@ -179,11 +179,18 @@ def first_call(entry, spec: PlanSpec, model: torch.nn.Module, inputs: list[torch
     return eager()
 
 
+def in_order_next(exc: Exception, compilers: InductorCompilers) -> bool:
+    """Whether the try after ``exc`` (raised by the try ``compilers`` compiled) compiles under the same
+    budget without Inductor's horizontal fusion: its code peaked above the budget, with horizontal
+    fusion in it (:func:`remat_compiler.inductor.compile.in_plan_order`). Both of the backend's loops,
+    one shape and a range of shapes, follow it."""
+    return isinstance(exc, CompiledOverBudget) and not compilers.in_order and compilers.fused_horizontally
+
+
 def in_plan_order_again(entry, planning: PlanSpec, attempt: Callable[[PlanSpec], tuple]) -> tuple:
-    """The try after code that peaked above the budget with Inductor's horizontal fusion: the plan
-    just made (``entry.planned``), not solved again, compiled without horizontal fusion
-    (:func:`remat_compiler.inductor.compile.in_plan_order`; ``attempt`` makes the compilers so), its
-    source kept. Where that code still peaks above the budget, the tries after it plan lower."""
+    """The try after code that peaked above the budget with Inductor's horizontal fusion
+    (:func:`in_order_next`): the plan just made (``entry.planned``), not solved again, compiled
+    without horizontal fusion (``attempt`` makes the compilers so), its source kept. Where that code still peaks above the budget, the tries after it plan lower."""
     made = entry.planned
     partition_fn, fw_compiler, bw_compiler = attempt(dataclasses.replace(planning, plan=made.plan))
 

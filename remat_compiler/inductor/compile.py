@@ -79,7 +79,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     out.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(returned[i], fx.Node)]
     buffers: dict[str, int] = {}
     ready()  # the CPU's probe, begun by the first call (warm.start)
-    choices = in_plan_order() if in_order else _noting_horizontal_fusion()
+    choices = in_plan_order() if in_order else _noting_horizontal_fusion()()
     with _recording_buffers(buffers), config.patch(fx_graph_cache=False, allow_buffer_reuse=False), \
             V.set_choices_handler(choices):
         if backward:
@@ -89,7 +89,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence, *, backward: boo
     source = getattr(fn, "source_code", None)
     if not isinstance(source, str):
         raise UnreadableCodeError(f"Inductor returned {type(fn).__name__} without its generated source")
-    return InductorGraph(fn, source, buffers, fused_horizontally=bool(getattr(choices, "fused", False)))
+    return InductorGraph(fn, source, buffers, fused_horizontally=choices.fused)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +115,8 @@ def in_plan_order():
     from torch._inductor.choices import InductorChoices
 
     class InPlanOrder(InductorChoices):
+        fused = False  # never
+
         @staticmethod
         def can_fuse_horizontal(scheduler, node1, node2, shared_data_score) -> bool:
             return False
@@ -122,14 +124,11 @@ def in_plan_order():
     return InPlanOrder()
 
 
-def _noting_horizontal_fusion():
-    """Inductor's own heuristics, noting (``fused``) whether they allowed a horizontal fusion: where
-    none was, the code compiled :func:`in_plan_order` would be the same."""
-    return _noting_class()()
-
-
 @functools.lru_cache(maxsize=None)
-def _noting_class():
+def _noting_horizontal_fusion():
+    """Inductor's own heuristics (a class, one instance a compile), noting (``fused``) whether they
+    allowed a horizontal fusion: where none was, the code compiled :func:`in_plan_order` would be
+    the same."""
     from torch._inductor.choices import InductorChoices
 
     class NotingHorizontalFusion(InductorChoices):

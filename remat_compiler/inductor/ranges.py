@@ -12,9 +12,9 @@ The first real step is checked against the walk at its own sizes: a walk that mi
 proves nothing at the bound, and the next call gives the range up.
 
 Where the walk at the bound peaks above the budget, the range is planned again (its one capture
-partitioned and compiled again, not traced again), as the backend does on one shape: first under
-the same budget, compiled without Inductor's horizontal fusion, then under a budget lowered by the
-overshoot, or at the leanest plan's peak where that lower budget has no plan
+partitioned and compiled again, not traced again), as the backend does on one shape: first, where
+its code had horizontal fusion in it, under the same budget compiled without that; then under a
+budget lowered by the overshoot, or at the leanest plan's peak where that lower budget has no plan
 (:data:`~remat_compiler.inductor.backend.INDUCTOR_REPLANS` times). Where that does
 not get under it, where Inductor cannot compile the symbolic graphs or its code cannot be read, or a
 size is not provably monotone, the range is given up (:class:`~remat_compiler.dynamic.DynamicShapeError`):
@@ -30,7 +30,7 @@ import remat_compiler.inductor as inductor
 from remat_compiler.dynamic import DynamicShapeError, ShapeRange, monotone, trace_and_run_range
 from remat_compiler.errors import InfeasibleBudgetError
 from remat_compiler.inductor.backend import (INDUCTOR_REPLANS, InductorState, first_step_report, fusing,
-                                             inductor_facts, lowered, replan_after)
+                                             in_order_next, inductor_facts, lowered, replan_after)
 from remat_compiler.inductor import warm
 from remat_compiler.inductor.compile import InductorCompilers
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
@@ -88,7 +88,6 @@ class InductorRange:
     replans: int = 0
     over_at: int | None = None  # the lowest planning budget whose code peaked above the budget
     why: str = ""  # why the last try failed
-    in_order: bool = False  # compiled without horizontal fusion (after code that overshot with it)
 
     def planning(self, spec: PlanSpec) -> PlanSpec:
         """The spec to plan with: the fused recompute of the Inductor backend, lowered on a re-plan."""
@@ -102,9 +101,9 @@ class InductorRange:
             at, first = ({str(s): v for s, v in values.items()} for values in (rng.at_bound(), rng.first))
             return dataclasses.replace(inductor_facts(entry.planned, spec.budget), at=at, first_at=first)
 
-        def attempt() -> tuple:
+        def attempt(in_order: bool = False) -> tuple:
             report = first_step_report(entry, spec, 0, walk_relied_on=True)
-            self.compilers = InductorCompilers(facts, report, on_fakes=True, in_order=self.in_order)
+            self.compilers = InductorCompilers(facts, report, on_fakes=True, in_order=in_order)
             return partition, self.compilers.forward, self.compilers.backward
 
         first, fw_compiler, bw_compiler = attempt()
@@ -125,15 +124,14 @@ class InductorRange:
             After :data:`INDUCTOR_REPLANS` re-plans, or where no lower budget is left to try.
         InfeasibleBudgetError
             The user's own budget has no plan at the bound (re-raised)."""
-        if isinstance(exc, CompiledOverBudget) and not self.in_order and self.compilers.fused_horizontally:
-            self.in_order = True
-            return attempt()
+        if in_order_next(exc, self.compilers):
+            return attempt(in_order=True)
         self.planning_bytes, self.over_at, self.why = replan_after(exc, self.over_at)
         if self.planning_bytes is None or self.replans == INDUCTOR_REPLANS:
             raise DynamicShapeError(f"Inductor's code for the range's plan does not keep the budget at the "
                                     f"bound, after up to {INDUCTOR_REPLANS} re-plans: {self.why}") from exc
         self.replans += 1
-        return attempt()
+        return attempt(in_order=self.compilers.in_order)
 
     def accept(self, entry, rng: ShapeRange) -> None:
         """Record the code on the entry once its sizes are non-decreasing in each symbol and the
