@@ -287,17 +287,19 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     workloads = os.environ["FSDP_PEERS_WORKLOADS"].split(",")
     peers = [PEERS[int(i)] for i in os.environ.get("FSDP_PEERS_PEERS", "0,1,2,3").split(",")]
     backend = os.environ.get("FSDP_PEERS_BACKEND", "eager")
+    objective = os.environ.get("FSDP_PEERS_OBJECTIVE", "runtime")
     rows = []
     for workload in workloads:
         ids = _token_ids(workload, rank)
         for peer in peers:
             with _peer_context(peer):
-                rows.append(_compare(remat_compiler, workload, peer, rank, ids, backend))
+                rows.append(_compare(remat_compiler, workload, peer, rank, ids, backend, objective))
     torch.save({"rows": rows}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: str = "eager") -> dict:
+def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: str = "eager",
+             objective: str = "runtime") -> dict:
     from torch._dynamo.utils import counters
 
     from remat_compiler.memory import AllocatorPeak
@@ -314,10 +316,10 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     except Exception as exc:  # noqa: BLE001 - a peer that does not compose is a row saying so
         return {"workload": workload, "peer": peer, "rank": rank, "error": f"{type(exc).__name__}: {exc}"[:300]}
     graphs = counters["stats"].get("unique_graphs", 0)
-    budget = _min_over_ranks(peak)
+    budget = int(os.environ.get("FSDP_PEERS_BUDGET") or 0) or _min_over_ranks(peak)
     peer_flops = None if peer == PEERS[3] else _flops(step)
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
-                                time_limit_s=20, num_workers=1, backend=backend)
+                                time_limit_s=20, num_workers=1, backend=backend, objective=objective)
     cstep = _step(cm, ids)
     cstep()
     plan = cm.plan
@@ -333,10 +335,12 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     return {"workload": workload, "peer": peer, "rank": rank, "peer_peak": peak, "budget": budget,
             "meter": meter.__name__, "peer_graphs": graphs,
             "predicted": plan.peak_bytes, "measured": max(cpeaks),
+            "walked": cm.planned.compiled.peak_bytes if cm.planned.compiled is not None else None,
+            "first_step": cm.planned.first_step_bytes, "peaks": cpeaks,
             "peer_step_s": statistics.median(times["peer"]),
             "compiled_step_s": statistics.median(times["compiled"]),
             "peer_flops": peer_flops, "compiled_flops": compiled_flops, "peer_recompute_flops": peer_recomputed,
-            "backend": backend,
+            "backend": backend, "objective": objective,
             "plan_flops": plan.baseline_flops + plan.recompute_flops,
             "recompute_flops": plan.recompute_flops, "regather_bytes": plan.recompute_comm_bytes,
             "units": {u["unit"]: u["choice"] for u in plan.extras.get("fsdp_units", [])}}
@@ -372,6 +376,10 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", default="0,1,2,3", help="indices into PEERS, comma-separated (default: all)")
     parser.add_argument("--backend", choices=("eager", "inductor"), default="eager",
                         help="what runs our step (default eager)")
+    parser.add_argument("--budget", type=int, default=0,
+                        help="plan ours under this many bytes instead of each peer's measured peak (to reproduce a row)")
+    parser.add_argument("--objective", choices=("runtime", "flops"), default="runtime",
+                        help="the solve's objective (compile's objective=; default runtime, the library's)")
     args = parser.parse_args(argv)
     if not set(args.peers.split(",")) <= {str(i) for i in range(len(PEERS))}:
         parser.error(f"--peers takes indices 0-{len(PEERS) - 1} of {PEERS}")
@@ -382,7 +390,8 @@ def main(argv=None) -> int:
     import dist_spawn
 
     os.environ.update(FSDP_PEERS_WORKLOADS=args.workloads, FSDP_PEERS_PEERS=args.peers,
-                      FSDP_PEERS_BACKEND=args.backend)
+                      FSDP_PEERS_BACKEND=args.backend, FSDP_PEERS_OBJECTIVE=args.objective,
+                      FSDP_PEERS_BUDGET=str(args.budget))
     with tempfile.TemporaryDirectory() as out:
         dist_spawn.spawn_ranks(run_rank, 2, out, timeout_s=3600, start_method="spawn")
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]

@@ -1,12 +1,14 @@
-"""Why the Inductor backend recomputes more than ``torch.compile`` at the peak ``torch.compile`` reaches
-(issue 35's FLOP target against FSDP2 + ``torch.compile`` every layer, on one device): the test Llama
-of ``benchmarks.fsdp_peers`` (hidden 128, 4 layers, batch 2 x 256), each decoder layer compiled as
-torchtitan compiles it, at ``activation_memory_budget`` 0.5 and 0.3; then ``compile(...,
-backend="inductor", hold_outputs=False)`` at each measured peak, with every try of its first call:
-the plan's own peak (the model of the unfused graph), the walk of Inductor's code for it and where
+"""The Inductor backend against ``torch.compile`` at the peak ``torch.compile`` reaches, on one device
+(issue 35's FLOP target against FSDP2 + ``torch.compile`` every layer, without the sharding): the test
+Llama of ``benchmarks.fsdp_peers`` (hidden 128, 4 layers, batch 2 x 256) or the gpt2 workload of
+``benchmarks.workloads`` (``--workload gpt2``), each layer compiled as torchtitan compiles it, at
+``activation_memory_budget`` 0.5 and 0.3; then ``compile(..., backend="inductor", hold_outputs=False)``
+at each measured peak, with every try of its first call: the plan's own peak (on the backend's view of
+the graph, :func:`remat_compiler.fusion.inductor_view`), the walk of Inductor's code for it and where
 that peaks, and what the accepted plan recomputes.
 
     python -m benchmarks.fusion_gap
+    python -m benchmarks.fusion_gap --workload gpt2 --budgets 0.5
 
 Peaks are the allocator's (:class:`remat_compiler.memory.AllocatorPeak`), one step after two warm
 ones; the peer's recomputed FLOPs are counted on the twin of ``benchmarks.fsdp_peers`` (its
@@ -30,46 +32,63 @@ def _ids():
 
 
 def _llama(backend=None):
+    """The test Llama of ``benchmarks.fsdp_peers`` and its batch, each layer compiled with ``backend``."""
     import transformers
 
     from benchmarks.fsdp_peers import SIZES
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+    ids = _ids()
+    return _compiled(model, model.model.layers, backend), dict(input_ids=ids, labels=ids)
+
+
+def _gpt2(backend=None):
+    """The gpt2 workload of :mod:`benchmarks.workloads` and its batch, each block compiled with ``backend``."""
+    from benchmarks.workloads import build_gpt2
+
+    model, _, inputs = build_gpt2(False)
+    return _compiled(model, model.transformer.h, backend), inputs
+
+
+def _compiled(model, layers, backend):
     if backend is not None:
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = torch.compile(layer, backend=backend)
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=backend)
     return model
 
 
-def _step(model, ids) -> None:
+WORKLOADS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def _step(model, inputs) -> None:
     model.zero_grad(set_to_none=True)
-    model(ids, labels=ids).loss.backward()
+    model(**inputs).loss.backward()
 
 
-def _peak(model, ids) -> int:
+def _peak(model, inputs) -> int:
     from remat_compiler.memory import AllocatorPeak
 
-    _step(model, ids)
-    _step(model, ids)
+    _step(model, inputs)
+    _step(model, inputs)
     model.zero_grad(set_to_none=True)
     with AllocatorPeak() as meter:
-        model(ids, labels=ids).loss.backward()
+        model(**inputs).loss.backward()
     return meter.peak_bytes
 
 
-def peer(budget: float, ids) -> dict:
+def peer(build, budget: float) -> dict:
     """``torch.compile`` every layer at ``activation_memory_budget=budget``: its peak and recomputed FLOPs."""
     from benchmarks.fsdp_peers import recomputed_by_compile
 
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=budget):
-        peak = _peak(_llama("inductor"), ids)
-    flops = recomputed_by_compile(lambda backend: functools.partial(_step, _llama(backend), ids), budget)
+        peak = _peak(*build("inductor"))
+    flops = recomputed_by_compile(lambda backend: functools.partial(_step, *build(backend)), budget)
     return {"peak": peak, "recompute_flops": flops}
 
 
-def ours(budget_bytes: int, ids, time_limit_s: float) -> dict:
+def ours(build, budget_bytes: int, time_limit_s: float) -> dict:
     """The Inductor backend's first call at ``budget_bytes``: each try's plan peak and walk, the plan
     accepted, what it recomputes and its measured peak."""
     import remat_compiler as rc
@@ -89,16 +108,16 @@ def ours(budget_bytes: int, ids, time_limit_s: float) -> dict:
         over(self, peak, limit_bytes, plan_peak_bytes)
     inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__ = walked, overshot
     try:
-        model = _llama()
+        model, inputs = build()
         m = rc.compile(model, memory_budget=budget_bytes, backend="inductor", hold_outputs=False,
                        time_limit_s=time_limit_s)
-        m(ids, labels=ids).loss.backward()
+        m(**inputs).loss.backward()
     finally:
         inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__ = walk, over
     tries[-1]["plan"] = m.plan.peak_bytes
     model.zero_grad(set_to_none=True)
     with AllocatorPeak() as meter:
-        m(ids, labels=ids).loss.backward()
+        m(**inputs).loss.backward()
     return {"tries": tries, "recompute_flops": m.plan.recompute_flops, "measured": meter.peak_bytes,
             "runs_as": m.planned.backend}
 
@@ -107,15 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", default="0.5,0.3", help="torch.compile's activation_memory_budget points")
     parser.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per solve")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    ids = _ids()
+    build = WORKLOADS[args.workload]
     print("| peer budget | peer peak | peer recomputed | try | our plan's peak | walk of its code (at) | "
           "ours recomputed | ours measured |")
     print("|---|---|---|---|---|---|---|---|")
     for budget in (float(b) for b in args.budgets.split(",")):
-        p = peer(budget, ids)
-        o = ours(p["peak"], ids, args.time_limit)
+        p = peer(build, budget)
+        o = ours(build, p["peak"], args.time_limit)
         for i, t in enumerate(o["tries"]):
             last = i == len(o["tries"]) - 1
             accepted = (f"{o['recompute_flops'] / 1e9:.3f} G | {o['measured']:,} ({o['runs_as']})" if last

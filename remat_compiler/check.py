@@ -58,8 +58,11 @@ def check_plan(cg: CostGraph, plan: Plan) -> SimResult:
     return sim
 
 
-def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGraph) -> EmittedPeak:
-    """Check that the emitted forward and backward peak exactly where the plan says.
+def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGraph,
+                  peak_bytes: int | None = None) -> EmittedPeak:
+    """Check that the emitted forward and backward peak exactly where the plan says (``peak_bytes``
+    where given: a plan made on :func:`remat_compiler.fusion.inductor_view` peaks lower than its
+    code run op by op, which writes every value, and is checked at that code's own simulated peak).
 
     The two GraphModules are walked in their emitted order with reference counts on their FakeTensor
     storages (:func:`remat_compiler.emitted.emitted_peak`); neither the schedule nor the simulator
@@ -92,13 +95,14 @@ def check_emitted(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, cg: CostGr
     walked = emitted_peak(fw, bw, num_fwd_outputs=len(cg.fw_outputs),
                           input_updates=cg.g.graph.get("input_updates", ()), hold_outputs=cg.hold_outputs,
                           allocator=allocator_named(cg.allocator))
-    if walked.peak_bytes == plan.peak_bytes:
+    expected = plan.peak_bytes if peak_bytes is None else peak_bytes
+    if walked.peak_bytes == expected:
         return walked
-    if walked.peak_bytes > plan.peak_bytes:
-        node, live = walked.first_above(plan.peak_bytes)
+    if walked.peak_bytes > expected:
+        node, live = walked.first_above(expected)
         where = (f"first above the plan at {node} ({live} bytes live), and peaks at {walked.peak_node} "
                  f"({walked.peak_bytes} bytes)")
     else:
         where = f"peaks at {walked.peak_node} ({walked.peak_bytes} bytes)"
     raise PlanCheckError(f"plan by {plan.solver}: the emitted code {where}; the plan predicts "
-                         f"{plan.peak_bytes} bytes")
+                         f"{expected} bytes")

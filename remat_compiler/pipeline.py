@@ -2,10 +2,12 @@
 to the emitted forward and backward, one named step a line (:func:`plan_joint`)::
 
     gm, cg = annotate(joint, num_fwd_outputs, cost_model)   # passes; networkx graph with bytes / FLOPs / runtime
+    cg = inductor_view(cg)                                  # backend="inductor": fused values cost no bytes
     plan, _ = decide(cg, spec)                              # CP-SAT, a hand-picked strategy, a given or cached plan
     sim = check_plan(cg, plan)                              # the plan's claims against its graph
     fw, bw = emit(gm, plan)                                 # forward / backward GraphModules
     check_emitted(fw, bw, plan, cg)                         # the emitted code's own peak, walked
+                                                            # (of the traced graph's simulation, under Inductor)
 
 The step's trace is before it: :func:`remat_compiler.compile` runs it inside AOTAutograd's partitioner
 (once per input signature, :mod:`remat_compiler.module`), :func:`remat_compiler.plan_model` and the CLI
@@ -33,7 +35,7 @@ from remat_compiler.codegen import emit
 from remat_compiler.eager_paths import warn_fraction_of_uncheckpointed
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.errors import PlanMismatchError
-from remat_compiler.fusion import fusible_recompute
+from remat_compiler.fusion import fusible_recompute, inductor_view
 from remat_compiler.graph import CostGraph
 from remat_compiler.moe.segments import segment_combines
 from remat_compiler.passes import CostModel, run_passes
@@ -41,7 +43,7 @@ from remat_compiler.plan import Plan, make_plan
 from remat_compiler.plan_cache import PlanCache, key_fields, key_of
 from remat_compiler.policies import Policy, apply_policy
 from remat_compiler.runtime import distributed, plan_on_rank0
-from remat_compiler.schedule import SimResult
+from remat_compiler.schedule import SimResult, simulate
 from remat_compiler.solvers import Strategy, get_solver, resolve_budget
 from remat_compiler.solvers.chosen import CombineChoice
 from remat_compiler.solvers.cpsat import SolveMemo
@@ -85,8 +87,10 @@ class PlanSpec:
         What the MoE combine choice decided (:mod:`remat_compiler.combines`): the combines to trace
         with, the chosen saved set, or why the model is planned as it traces.
     fused_recompute : bool
-        The Inductor backend's: a searching solver's plan then recomputes the pointwise values
-        Inductor fuses into their readers instead of saving them (:func:`fuse_recompute`).
+        The Inductor backend's: the plan is made on the graph as Inductor's code allocates it
+        (:func:`remat_compiler.fusion.inductor_view`: the values it inlines into their readers cost
+        no bytes), and a searching solver's plan recomputes the pointwise values Inductor fuses
+        into their readers instead of saving them (:func:`fuse_recompute`).
     """
 
     budget: Budget
@@ -192,7 +196,8 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
     """
     spent: dict[str, float] = {}
     with timed(spent, "annotate"):
-        gm, cg = annotate(joint, num_fwd_outputs, spec.cost_model)
+        gm, traced = annotate(joint, num_fwd_outputs, spec.cost_model)
+        cg = inductor_view(traced) if spec.fused_recompute else traced
     with timed(spent, "solve"):
         plan, source = decide(cg, spec, memo=memo)
     warn_fraction_of_uncheckpointed(spec.budget.fraction, cg.g.graph.get("trace_notes"), plan.baseline_peak_bytes)
@@ -200,8 +205,9 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
         sim = check_plan(cg, plan)
     with timed(spent, "emit"):
         fw, bw = emit(gm, plan)
-    with timed(spent, "check emitted"):
-        check_emitted(fw, bw, plan, cg)
+    with timed(spent, "check emitted"):  # the code run op by op writes what Inductor's fuses away
+        unfused = None if cg is traced else simulate(traced, plan.schedule).peak_bytes
+        check_emitted(fw, bw, plan, traced, peak_bytes=unfused)
     return PlannedGraph(gm, cg, plan, sim, fw, bw, spent, source)
 
 

@@ -166,6 +166,11 @@ class Plan:
                            and self.extras["allocator"] != "exact" else "")
                         + (f", runtimes for {rates}" if rates else "")
                         + (f" (traced on {traced})" if traced else ""))
+        if self.extras.get("memory_model") == "inductor":
+            head.append(f"for Inductor      planned on the memory of Inductor's code: {self.extras['inlined']} values its "
+                        f"kernels compute where they are read cost no bytes, and backward recomputes those it reads "
+                        f"(remat_compiler.fusion); fraction budgets are of the no-recompute peak of the step run "
+                        f"op by op ({human_bytes(self.extras['fraction_base_bytes'])})")
         fused = self.extras.get("inductor_fused_recompute")
         if fused:
             head.append(f"for Inductor      {len(fused)} pointwise values recomputed, not saved: their readers are "
@@ -256,6 +261,14 @@ class Plan:
                     f"this plan was made for {made_for[0]} (bytes as the {made_for[1]} allocator charges "
                     f"them), but the model runs on {runs_on[0]} ({runs_on[1]}): re-plan for this device "
                     f"(plan_model(..., device={runs_on[0]!r}), or a cost_model preset for it)")
+            made_in = self.extras.get("memory_model")
+            runs_in = cg.g.graph.get("memory_model")
+            if made_in != runs_in:
+                raise PlanMismatchError(
+                    f"this plan was made for the memory of {made_in or 'the eager'} backend's code, but it is "
+                    f"applied to {runs_in or 'the eager'} backend's (backend='inductor' plans on a graph "
+                    f"whose fused values cost no bytes): apply it with backend={made_in or 'eager'!r}, "
+                    f"or re-plan for this backend")
             raise PlanMismatchError(
                 f"this plan was made for graph {self.fingerprint}, but the model traces to graph "
                 f"{cg.fingerprint}: a plan applies only to the same model, input shapes and dtypes; "
@@ -344,6 +357,9 @@ def make_plan(cg: CostGraph, saved, *, budget_bytes: int | None, solver: str, st
         facts["trace_notes"] = list(cg.g.graph["trace_notes"])
     if cg.g.graph.get("cost_model") is not None:
         facts["cost_model"] = dict(cg.g.graph["cost_model"])
+    if cg.g.graph.get("memory_model"):  # a view of the graph as traced (remat_compiler.fusion.inductor_view)
+        facts.update(memory_model=cg.g.graph["memory_model"], inlined=cg.g.graph["inlined"],
+                     fraction_base_bytes=cg.g.graph["fraction_base_bytes"])
     combine = moe_combine_of(cg)
     if combine:
         facts["moe_combine"] = combine

@@ -212,8 +212,9 @@ class CostGraph:
     def fingerprint(self) -> str:
         """A hash of what a plan's meaning depends on, and nothing else: every node's name, op,
         phase, shape and dtype, its inputs, the outputs, the inputs updated in place, whether the
-        caller holds the outputs, and the allocator the bytes are counted in (omitted when exact,
-        so CPU fingerprints are those of plans written before it was hashed).
+        caller holds the outputs, the allocator the bytes are counted in (omitted when exact,
+        so CPU fingerprints are those of plans written before it was hashed), and the memory model
+        where it is not the unfused graph's (:func:`remat_compiler.fusion.inductor_view`).
 
         Not in it: the device index (``cuda:0`` and ``cuda:3`` give one graph), the device type
         itself (what it changes is in the ops, such as CUDA's own attention kernels, and the
@@ -331,4 +332,6 @@ class CostGraph:
             h.update(b"|outputs dropped")
         if self.allocator != "exact":
             h.update(f"|allocator {self.allocator}".encode())
+        if self.g.graph.get("memory_model"):
+            h.update(f"|memory model {self.g.graph['memory_model']}".encode())
         return h.hexdigest()[:16]

@@ -19,6 +19,7 @@ import remat_compiler.inductor as inductor
 from remat_compiler.budget import Budget, parse_budget
 from remat_compiler.emitted import EmittedPeak
 from remat_compiler.errors import InfeasibleBudgetError
+from remat_compiler.fusion import INDUCTOR_MEMORY
 from remat_compiler.inductor.compile import InductorCompilers, StepFacts
 from remat_compiler.inductor import warm
 from remat_compiler.inductor.graph import CompiledOverBudget, UnreadableCodeError
@@ -68,11 +69,16 @@ class InductorState:
 
 
 def fusing(spec: PlanSpec) -> PlanSpec:
-    """``spec`` for the Inductor backend: a searching solver's plans then recompute the pointwise values
-    Inductor fuses into their readers instead of saving them (``fused_recompute``, applied by
-    :func:`remat_compiler.pipeline.fuse_recompute`). A given plan and a hand-picked strategy (whose saved
-    set is its definition) are left as they are."""
-    if spec.plan is not None or not spec.strategy.searching:
+    """``spec`` for the Inductor backend (``fused_recompute``): plans are made on the graph as
+    Inductor's code allocates it (:func:`remat_compiler.fusion.inductor_view`), and a searching
+    solver's plans recompute the pointwise values Inductor fuses into their readers instead of
+    saving them (:func:`remat_compiler.pipeline.fuse_recompute`). A hand-picked strategy (whose saved
+    set is its definition) plans on the graph as traced; a given plan on the graph it was made on
+    (its ``memory_model``)."""
+    if spec.plan is not None:
+        made_for_inductor = spec.plan.extras.get("memory_model") == INDUCTOR_MEMORY
+        return dataclasses.replace(spec, fused_recompute=made_for_inductor)
+    if not spec.strategy.searching:
         return spec
     return dataclasses.replace(spec, fused_recompute=True)
 

@@ -112,10 +112,11 @@ def get_solver(solver: str | Callable[..., Plan] | Strategy) -> Strategy:
 
 
 def resolve_budget(cg: CostGraph, budget: Budget) -> int | None:
-    """A parsed budget in bytes for this graph (a fraction is of its no-recompute peak)."""
+    """A parsed budget in bytes for this graph (a fraction is of its no-recompute peak; of the graph
+    as traced, for a view of it such as :func:`remat_compiler.fusion.inductor_view`)."""
     if budget.fraction is None:
         return budget.bytes
-    return budget.resolve(no_recompute(cg).peak_bytes)
+    return budget.resolve(cg.g.graph.get("fraction_base_bytes") or no_recompute(cg).peak_bytes)
 
 
 def solve(cg: CostGraph, budget, solver: str | Callable[..., Plan] | Strategy = "cpsat", **options) -> Plan:

@@ -116,7 +116,8 @@ class CombineChoice:
         combine = moe_combine_of(cg)
         if {seg: c["mode"] for seg, c in combine.items()} != modes:
             raise PlanMismatchError(f"the graph's MoE combines {combine} are not the ones chosen, {modes}")
-        saved = list(self.saved)
+        candidates = set(cg.candidates)  # on Inductor's view of the graph, what its code never writes is none
+        saved = [v for v in self.saved if v in candidates]
         sim = simulate(cg, build_schedule(cg, saved))
         why = reasons({s: m for s, m in modes.items() if s not in self.not_chosen}, sim.peak_bytes,
                       dict(self.flipped_peak_bytes), sim.recompute_s,
