@@ -97,7 +97,9 @@ def inlined(cg: CostGraph) -> dict[str, frozenset[str]]:
 
 def inductor_view(cg: CostGraph) -> CostGraph:
     """``cg`` as Inductor's code allocates it: the :func:`inlined` values cost no bytes (so they are
-    no candidates: a plan never saves them, and backward recomputes those it reads), and each of
+    no candidates: a plan never saves them, and backward recomputes those it reads) and no time of
+    their own (their arithmetic is a part of their readers' loops, which the roofline prices by the
+    bytes they move), and each of
     their readers reads what they were computed from, as the kernel they are inlined into does (so
     those inputs live until it runs). The graph records ``memory_model`` ``"inductor"`` (in its
     fingerprint, so a plan made on it is refused by the eager backend, whose code writes every
@@ -108,7 +110,7 @@ def inductor_view(cg: CostGraph) -> CostGraph:
     g = cg.g.copy()
     found = inlined(cg)
     for n, reads in found.items():
-        g.nodes[n]["bytes"] = 0
+        g.nodes[n].update(bytes=0, runtime_s=0.0)  # computed inside its readers' kernels: no write, no pass of its own
         for r in cg.g.successors(n):
             g.add_edges_from((x, r) for x in reads if x != r)
     g.graph.update(memory_model=INDUCTOR_MEMORY, inlined=len(found))
