@@ -47,6 +47,7 @@ index in :data:`PEERS` (0-3, comma-separated).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -261,6 +262,24 @@ def recomputed_by_compile(make_step: Callable[[Callable], Callable[[], None]], b
     return twin_flops(budget) - twin_flops(1.0)
 
 
+@contextlib.contextmanager
+def _walks():
+    """The peak of each walk of Inductor's code made inside (one per try of the backend's first call)."""
+    import remat_compiler.inductor.compile as inductor_compile
+
+    walks, walk = [], inductor_compile.compiled_peak
+
+    def walked(*args, **kwargs):
+        peak = walk(*args, **kwargs)
+        walks.append(peak.peak_bytes)
+        return peak
+    inductor_compile.compiled_peak = walked
+    try:
+        yield walks
+    finally:
+        inductor_compile.compiled_peak = walk
+
+
 def _min_over_ranks(x: int) -> int:
     """The least of the ranks' ``x``: the budget of the one plan every rank runs, which must peak at or
     below each rank's peer (Mixtral's ranks route their own tokens, so the peers' peaks differ: the
@@ -319,9 +338,10 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     budget = int(os.environ.get("FSDP_PEERS_BUDGET") or 0) or _min_over_ranks(peak)
     peer_flops = None if peer == PEERS[3] else _flops(step)
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
-                                time_limit_s=20, num_workers=1, backend=backend, objective=objective)
+                                time_limit_s=20, backend=backend, objective=objective)
     cstep = _step(cm, ids)
-    cstep()
+    with _walks() as walks:  # each try's walk of Inductor's code, under the Inductor backend
+        cstep()
     plan = cm.plan
     times = {"peer": [], "compiled": []}
     cpeaks = []
@@ -336,7 +356,7 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
             "meter": meter.__name__, "peer_graphs": graphs,
             "predicted": plan.peak_bytes, "measured": max(cpeaks),
             "walked": cm.planned.compiled.peak_bytes if cm.planned.compiled is not None else None,
-            "first_step": cm.planned.first_step_bytes, "peaks": cpeaks,
+            "first_step": cm.planned.first_step_bytes, "peaks": cpeaks, "walks": walks,
             "peer_step_s": statistics.median(times["peer"]),
             "compiled_step_s": statistics.median(times["compiled"]),
             "peer_flops": peer_flops, "compiled_flops": compiled_flops, "peer_recompute_flops": peer_recomputed,

@@ -10,6 +10,7 @@ import torch
 
 import dist_spawn
 import fsdp_worker as worker
+from remat_compiler.graph.blocks import block_stack
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -221,6 +222,13 @@ def test_planning_one_rank_on_meta_gives_the_real_ranks_graph(ranks):
     assert [u["unit"] for u in plan.extras["fsdp_units"]] == [u["unit"] for u in real["units"]]
     assert plan.extras["fsdp_world"] == 2 and "FSDP unit" in plan.explain()
     assert not is_fsdp_model(model) and not dist.is_initialized()
+    # each layer unit's all-gather is its layer's (the root's is no layer's), so the layers stay identical
+    # with their gathers in them and the block methods decide a layer's re-gather with its recomputation
+    cg = planned.cg
+    gathers = [n for n in cg.fw_order if "all_gather_into_tensor" in str(cg.attr(n, "op"))]
+    stack = block_stack(cg)
+    assert len(stack.blocks) == worker.LLAMA_SIZES["num_hidden_layers"]
+    assert sorted(cg.attr(n, "block") or "" for n in gathers) == ["", *stack.blocks]
 
 
 def test_cli_plans_one_rank_of_an_fsdp_step(tmp_path, capsys):

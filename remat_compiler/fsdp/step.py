@@ -118,7 +118,8 @@ class ShardedStep(torch.nn.Module):
 
         def hook(module, args, kwargs):
             if shards:
-                gathered = GatherUnit.apply(spec, *(getattr(self, n) for n in shards))
+                with _traced_as_part_of(self, module):
+                    gathered = GatherUnit.apply(spec, *(getattr(self, n) for n in shards))
                 _put(unit, unsharded_params(gathered, unit))
             return unit.state._cast_forward_inputs(args, kwargs)
         return hook
@@ -130,6 +131,30 @@ class ShardedStep(torch.nn.Module):
             _put(unit, [up.fsdp_param.sharded_param for up in unit.params])
             return unit.state._cast_output_dtype(output)
         return hook
+
+
+@contextlib.contextmanager
+def _traced_as_part_of(step: "ShardedStep", module: torch.nn.Module):
+    """While the step is traced, record the nodes made here (a unit's all-gather, and so its
+    reduce-scatter in backward) as its module's, whose forward pre-hook this runs in before the
+    trace's own: a unit that is a repeated layer then holds its gather, so identical layers stay
+    identical with it and the block methods of the solve decide its re-gather with its layer's
+    recomputation (:mod:`remat_compiler.graph.blocks`)."""
+    from torch.fx import traceback as fx_traceback
+
+    from remat_compiler.passes.keys import TRACE_MODULE, TRACE_MODULE_CLASS
+
+    meta = fx_traceback.current_meta
+    old = meta.get("custom")
+    path = next((name for name, m in step.named_modules() if m is module), None)
+    if old is None or TRACE_MODULE not in old or path is None:  # not traced by remat_compiler.trace
+        yield
+        return
+    meta["custom"] = {**old, TRACE_MODULE: path, TRACE_MODULE_CLASS: type(module).__name__}
+    try:
+        yield
+    finally:
+        meta["custom"] = old
 
 
 def _put(unit: Unit, tensors) -> None:
