@@ -337,19 +337,24 @@ def _fsdp_section(data_dir: str) -> list[str]:
 
 
 def _fsdp_inductor_rows(data_dir: str) -> list[str]:
-    """The sharded step under ``backend="inductor"`` against the peers named in its file."""
-    if not _exists(data_dir, "fsdp_peers_inductor.json"):
-        return []
-    doc = _load_json("fsdp_peers_inductor.json", data_dir)
-    workloads = ",".join(dict.fromkeys(r["workload"] for r in doc["rows"]))
-    peers = ",".join(str(fsdp_peers.PEERS.index(p)) for p in dict.fromkeys(r["peer"] for r in doc["rows"]))
-    return ["", "### The same, our step under `backend=\"inductor\"`", "",
-            f"Command: `python -m benchmarks.fsdp_peers --workloads {workloads} --peers {peers} --backend inductor "
-            f"--json benchmarks/data/fsdp_peers_inductor.json`;\ncode: commit {doc['commit']}. Every row measured "
-            "by the allocator's events (a dispatch-mode tracker sees none of Inductor's\nbuffers); our FLOPs are "
-            "not counted inside Inductor's kernels (what we recompute is the plan's count); \"predicted\" is "
-            "the peak walked in the code Inductor wrote.",
-            "", fsdp_peers.format_table(doc["rows"])]
+    """The sharded step under ``backend="inductor"`` against the peers named in its file, with the
+    library's objective and with ``objective="flops"``."""
+    lines = []
+    for name, flag, title in (("fsdp_peers_inductor.json", "", ""),
+                              ("fsdp_peers_inductor_flops.json", " --objective flops", ", `objective=\"flops\"`")):
+        if not _exists(data_dir, name):
+            continue
+        doc = _load_json(name, data_dir)
+        workloads = ",".join(dict.fromkeys(r["workload"] for r in doc["rows"]))
+        peers = ",".join(str(fsdp_peers.PEERS.index(p)) for p in dict.fromkeys(r["peer"] for r in doc["rows"]))
+        lines += ["", f"### The same, our step under `backend=\"inductor\"`{title}", "",
+                  f"Command: `python -m benchmarks.fsdp_peers --workloads {workloads} --peers {peers} --backend "
+                  f"inductor{flag} --json benchmarks/data/{name}`;\ncode: commit {doc['commit']}. Every row measured "
+                  "by the allocator's events (a dispatch-mode tracker sees none of Inductor's\nbuffers); our FLOPs are "
+                  "not counted inside Inductor's kernels (what we recompute is the plan's count); \"predicted\" is "
+                  "the peak walked in the code Inductor wrote.",
+                  "", fsdp_peers.format_table(doc["rows"])]
+    return lines
 
 
 def _gpu_section(data_dir: str) -> list[str]:
