@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=("eager", "inductor"), default="eager",
                         help="what runs our step (default eager)")
     parser.add_argument("--budget", type=int, default=0,
-                        help="plan ours under this many bytes instead of each peer's measured peak (to reproduce a row)")
+                        help="plan ours under this many bytes instead of each peer's peak (to reproduce a row)")
     parser.add_argument("--objective", choices=("runtime", "flops"), default="runtime",
                         help="the solve's objective (compile's objective=; default runtime, the library's)")
     args = parser.parse_args(argv)

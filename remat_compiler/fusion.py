@@ -99,12 +99,12 @@ def inductor_view(cg: CostGraph) -> CostGraph:
     """``cg`` as Inductor's code allocates it: the :func:`inlined` values cost no bytes (so they are
     no candidates: a plan never saves them, and backward recomputes those it reads) and no time of
     their own (their arithmetic is a part of their readers' loops, which the roofline prices by the
-    bytes they move), and each of
-    their readers reads what they were computed from, as the kernel they are inlined into does (so
-    those inputs live until it runs). The graph records ``memory_model`` ``"inductor"`` (in its
-    fingerprint, so a plan made on it is refused by the eager backend, whose code writes every
-    value) and, as ``fraction_base_bytes``, the no-recompute peak of ``cg`` itself: a fraction
-    budget means what it means for the eager backend (:func:`remat_compiler.solvers.resolve_budget`)."""
+    bytes they move), and each of their readers reads what they were computed from, as the kernel
+    they are inlined into does (so those inputs live until it runs). The graph records
+    ``memory_model`` ``"inductor"`` (in its fingerprint, so a plan made on it is refused by the
+    eager backend, whose code writes every value) and, as ``fraction_base_bytes``, the no-recompute
+    peak of ``cg`` itself: a fraction budget means what it means for the eager backend
+    (:func:`remat_compiler.solvers.resolve_budget`)."""
     from remat_compiler.schedule import no_recompute
 
     g = cg.g.copy()

@@ -205,7 +205,7 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
         sim = check_plan(cg, plan)
     with timed(spent, "emit"):
         fw, bw = emit(gm, plan)
-    with timed(spent, "check emitted"):  # the code run op by op writes what Inductor's fuses away
+    with timed(spent, "check emitted"):  # run op by op, the code writes what Inductor's fuses away
         unfused = None if cg is traced else simulate(traced, plan.schedule).peak_bytes
         check_emitted(fw, bw, plan, traced, peak_bytes=unfused)
     return PlannedGraph(gm, cg, plan, sim, fw, bw, spent, source)

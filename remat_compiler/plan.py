@@ -167,10 +167,10 @@ class Plan:
                         + (f", runtimes for {rates}" if rates else "")
                         + (f" (traced on {traced})" if traced else ""))
         if self.extras.get("memory_model") == "inductor":
-            head.append(f"for Inductor      planned on the memory of Inductor's code: {self.extras['inlined']} values its "
-                        f"kernels compute where they are read cost no bytes, and backward recomputes those it reads "
-                        f"(remat_compiler.fusion); fraction budgets are of the no-recompute peak of the step run "
-                        f"op by op ({human_bytes(self.extras['fraction_base_bytes'])})")
+            head.append(f"for Inductor      planned on the memory of Inductor's code: {self.extras['inlined']} values "
+                        f"its kernels compute where they are read cost no bytes, and backward recomputes those "
+                        f"it reads (remat_compiler.fusion); fraction budgets are of the no-recompute peak of the "
+                        f"step run op by op ({human_bytes(self.extras['fraction_base_bytes'])})")
         fused = self.extras.get("inductor_fused_recompute")
         if fused:
             head.append(f"for Inductor      {len(fused)} pointwise values recomputed, not saved: their readers are "
