@@ -15,6 +15,8 @@ commands saved in ``benchmarks/data/``:
   ``python -m benchmarks.run`` (the eager backend against checkpointing and ``torch.compile``);
 - ``real_sizes.json``, ``real_sizes_targets.json``: ``python -m benchmarks.real_sizes --json ...``;
 - ``fsdp_peers.json``: ``python -m benchmarks.fsdp_peers --json ...`` (FSDP2's settings, 2 gloo ranks);
+  ``fsdp_peers_inductor.json`` and ``fsdp_peers_inductor_flops.json``: the same with ``--backend
+  inductor``, and with ``--objective flops`` too;
 - ``moe_table.md``, ``inductor.md`` (its coverage table), ``gpu_check.md``: the Markdown those commands
   print or write, tables taken as they are.
 
