@@ -87,10 +87,12 @@ class PlanSpec:
         What the MoE combine choice decided (:mod:`remat_compiler.combines`): the combines to trace
         with, the chosen saved set, or why the model is planned as it traces.
     fused_recompute : bool
-        The Inductor backend's: the plan is made on the graph as Inductor's code allocates it
-        (:func:`remat_compiler.fusion.inductor_view`: the values it inlines into their readers cost
-        no bytes), and a searching solver's plan recomputes the pointwise values Inductor fuses
-        into their readers instead of saving them (:func:`fuse_recompute`).
+        The Inductor backend's: a searching solver's plan recomputes the pointwise values Inductor
+        fuses into their readers instead of saving them (:func:`fuse_recompute`).
+    inductor_memory : bool
+        The Inductor backend's, for one shape: the plan is made on the graph as Inductor's code
+        allocates it (:func:`remat_compiler.fusion.inductor_view`: the values it inlines into their
+        readers cost no bytes).
     """
 
     budget: Budget
@@ -103,6 +105,7 @@ class PlanSpec:
     started_s: float | None = None
     combines: CombineChoice | None = None
     fused_recompute: bool = False
+    inductor_memory: bool = False
 
     @classmethod
     def make(cls, memory_budget, solver, options: Mapping, *, policy: Policy | None = None,
@@ -197,7 +200,7 @@ def plan_joint(joint: fx.GraphModule, num_fwd_outputs: int, spec: PlanSpec, *,
     spent: dict[str, float] = {}
     with timed(spent, "annotate"):
         gm, traced = annotate(joint, num_fwd_outputs, spec.cost_model)
-        cg = inductor_view(traced) if spec.fused_recompute else traced
+        cg = inductor_view(traced) if spec.inductor_memory else traced
     with timed(spent, "solve"):
         plan, source = decide(cg, spec, memo=memo)
     warn_fraction_of_uncheckpointed(spec.budget.fraction, cg.g.graph.get("trace_notes"), plan.baseline_peak_bytes)

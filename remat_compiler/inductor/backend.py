@@ -68,19 +68,19 @@ class InductorState:
         return cls(replan=previous.over, measured_replans=previous.measured_replans + 1)
 
 
-def fusing(spec: PlanSpec) -> PlanSpec:
-    """``spec`` for the Inductor backend (``fused_recompute``): plans are made on the graph as
-    Inductor's code allocates it (:func:`remat_compiler.fusion.inductor_view`), and a searching
-    solver's plans recompute the pointwise values Inductor fuses into their readers instead of
-    saving them (:func:`remat_compiler.pipeline.fuse_recompute`). A hand-picked strategy (whose saved
-    set is its definition) plans on the graph as traced; a given plan on the graph it was made on
-    (its ``memory_model``)."""
+def fusing(spec: PlanSpec, memory: bool = True) -> PlanSpec:
+    """``spec`` for the Inductor backend: a searching solver's plans recompute the pointwise values
+    Inductor fuses into their readers instead of saving them (``fused_recompute``,
+    :func:`remat_compiler.pipeline.fuse_recompute`) and, with ``memory``, are made on the graph as
+    Inductor's code allocates it (``inductor_memory``, :func:`remat_compiler.fusion.inductor_view`).
+    A hand-picked strategy (whose saved set is its definition) plans on the graph as traced; a given
+    plan on the graph it was made on (its ``memory_model``)."""
     if spec.plan is not None:
         made_for_inductor = spec.plan.extras.get("memory_model") == INDUCTOR_MEMORY
-        return dataclasses.replace(spec, fused_recompute=made_for_inductor)
+        return dataclasses.replace(spec, fused_recompute=made_for_inductor, inductor_memory=made_for_inductor)
     if not spec.strategy.searching:
         return spec
-    return dataclasses.replace(spec, fused_recompute=True)
+    return dataclasses.replace(spec, fused_recompute=True, inductor_memory=memory)
 
 
 def inductor_facts(planned: PlannedGraph, budget: Budget, margin_bytes: int = 0) -> StepFacts:
