@@ -9,8 +9,8 @@ One fresh copy of the workload (same weights) per runner, each compiled on its f
 - ``joint passes``: the same, with Inductor's joint-graph passes (pattern rewrites, no-op removal;
   what ``torch.compile`` runs on the joint graph before its partitioner) run on the joint graph
   before it is planned, random ops left to eager's generator (``fallback_random``);
-- ``no fused recompute``: the same, without :func:`remat_compiler.fusion.fusible_recompute` (the
-  plan as CP-SAT made it);
+- ``no fused recompute``: the same, without :func:`remat_compiler.fusion.inductor_view` and
+  :func:`remat_compiler.fusion.fusible_recompute` (the plan as CP-SAT makes it for the eager backend);
 - ``unmerged index work``: the same, without :func:`remat_compiler.passes.merge_repeated_index_work` (the pass list
   as it was before session 16: GPT-2's mask is recomputed inside every layer's softmax kernel);
 - ``unstored shared values``: the same, without :func:`remat_compiler.inductor.store_shared_values`
@@ -80,7 +80,7 @@ def variant(name: str):
     if name == "joint passes":
         module.annotate_joint = with_joint_passes
     elif name == "no fused recompute":
-        backend.fusing = lambda spec: spec
+        backend.fusing = lambda spec, memory=True: spec
     elif name == "unmerged index work":
         passes.PASSES = tuple(p for p in pass_list if p.run is not passes.merge_repeated_index_work)
     elif name == "unstored shared values":
