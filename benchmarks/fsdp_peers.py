@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from remat_compiler.memory import LiveStorageTracker
 
-__all__ = ["ResizeAwareTracker", "run_rank", "main", "recomputed_by_compile", "WORKLOADS", "PEERS"]
+__all__ = ["ResizeAwareTracker", "run_rank", "main", "recomputed_by_compile", "walked_peaks", "WORKLOADS", "PEERS"]
 
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4)
@@ -269,15 +269,15 @@ def recomputed_by_compile(make_step: Callable[[Callable], Callable[[], None]], b
 
 
 @contextlib.contextmanager
-def _walks():
-    """The peak of each walk of Inductor's code made inside (one per try of the backend's first call)."""
+def walked_peaks():
+    """Each walk of Inductor's code made inside (an EmittedPeak per try of the backend's first call)."""
     import remat_compiler.inductor.compile as inductor_compile
 
     walks, walk = [], inductor_compile.compiled_peak
 
     def walked(*args, **kwargs):
         peak = walk(*args, **kwargs)
-        walks.append(peak.peak_bytes)
+        walks.append(peak)
         return peak
     inductor_compile.compiled_peak = walked
     try:
@@ -346,7 +346,7 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
                                 time_limit_s=20, backend=backend, objective=objective)
     cstep = _step(cm, ids)
-    with _walks() as walks:  # each try's walk of Inductor's code, under the Inductor backend
+    with walked_peaks() as walks:  # each try's walk of Inductor's code, under the Inductor backend
         cstep()
     plan = cm.plan
     times = {"peer": [], "compiled": []}
@@ -363,7 +363,8 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
             # under Inductor the prediction is the walk of the code Inductor wrote
             "predicted": plan.peak_bytes if cm.planned.compiled is None else cm.planned.compiled.peak_bytes,
             "plan_peak": plan.peak_bytes, "measured": max(cpeaks),
-            "first_step": cm.planned.first_step_bytes, "peaks": cpeaks, "walks": walks,
+            "first_step": cm.planned.first_step_bytes, "peaks": cpeaks,
+            "walks": [w.peak_bytes for w in walks],
             "peer_step_s": statistics.median(times["peer"]),
             "compiled_step_s": statistics.median(times["compiled"]),
             "peer_flops": peer_flops, "compiled_flops": compiled_flops, "peer_recompute_flops": peer_recomputed,

@@ -92,29 +92,26 @@ def ours(build, budget_bytes: int, time_limit_s: float) -> dict:
     """The Inductor backend's first call at ``budget_bytes``: each try's plan peak and walk, the plan
     accepted, what it recomputes and its measured peak."""
     import remat_compiler as rc
-    import remat_compiler.inductor.compile as inductor_compile
     import remat_compiler.inductor.graph as graph
+    from benchmarks.fsdp_peers import walked_peaks
     from remat_compiler.memory import AllocatorPeak
 
-    tries, walk, over = [], inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__
-
-    def walked(*args, **kwargs):
-        peak = walk(*args, **kwargs)
-        tries.append({"walk": peak.peak_bytes, "at": peak.peak_node})
-        return peak
+    plans, over = [], graph.CompiledOverBudget.__init__
 
     def overshot(self, peak, limit_bytes, plan_peak_bytes):
-        tries[-1]["plan"] = plan_peak_bytes
+        plans.append(plan_peak_bytes)
         over(self, peak, limit_bytes, plan_peak_bytes)
-    inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__ = walked, overshot
+    graph.CompiledOverBudget.__init__ = overshot
     try:
-        model, inputs = build()
-        m = rc.compile(model, memory_budget=budget_bytes, backend="inductor", hold_outputs=False,
-                       time_limit_s=time_limit_s)
-        m(**inputs).loss.backward()
+        with walked_peaks() as walks:
+            model, inputs = build()
+            m = rc.compile(model, memory_budget=budget_bytes, backend="inductor", hold_outputs=False,
+                           time_limit_s=time_limit_s)
+            m(**inputs).loss.backward()
     finally:
-        inductor_compile.compiled_peak, graph.CompiledOverBudget.__init__ = walk, over
-    tries[-1]["plan"] = m.plan.peak_bytes
+        graph.CompiledOverBudget.__init__ = over
+    plans.append(m.plan.peak_bytes)
+    tries = [{"walk": w.peak_bytes, "at": w.peak_node, "plan": plan} for w, plan in zip(walks, plans)]
     model.zero_grad(set_to_none=True)
     with AllocatorPeak() as meter:
         m(**inputs).loss.backward()

@@ -114,7 +114,7 @@ def inductor_view(cg: CostGraph) -> CostGraph:
         for r in cg.g.successors(n):
             g.add_edges_from((x, r) for x in reads if x != r)
     g.graph.update(memory_model=INDUCTOR_MEMORY, inlined=len(found))
-    g.graph["fraction_base_bytes"] = g.graph.get("fraction_base_bytes") or no_recompute(cg).peak_bytes
+    g.graph["fraction_base_bytes"] = no_recompute(cg).peak_bytes
     view = CostGraph(g)
     g.graph["fingerprint"] = view._compute_fingerprint()
     return view

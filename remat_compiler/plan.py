@@ -166,7 +166,7 @@ class Plan:
                            and self.extras["allocator"] != "exact" else "")
                         + (f", runtimes for {rates}" if rates else "")
                         + (f" (traced on {traced})" if traced else ""))
-        if self.extras.get("memory_model") == "inductor":
+        if self.extras.get("memory_model"):  # made on a view of the graph (remat_compiler.fusion)
             head.append(f"for Inductor      planned on the memory of Inductor's code: {self.extras['inlined']} values "
                         f"its kernels compute where they are read cost no bytes, and backward recomputes those "
                         f"it reads (remat_compiler.fusion); fraction budgets are of the no-recompute peak of the "

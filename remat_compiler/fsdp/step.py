@@ -146,8 +146,9 @@ def _traced_as_part_of(step: "ShardedStep", module: torch.nn.Module):
 
     meta = fx_traceback.current_meta
     old = meta.get("custom")
-    path = next((name for name, m in step.named_modules() if m is module), None)
-    if old is None or TRACE_MODULE not in old or path is None:  # not traced by remat_compiler.trace
+    tracing = old is not None and TRACE_MODULE in old  # by remat_compiler.trace
+    path = next((name for name, m in step.named_modules() if m is module), None) if tracing else None
+    if path is None:
         yield
         return
     meta["custom"] = {**old, TRACE_MODULE: path, TRACE_MODULE_CLASS: type(module).__name__}

@@ -77,7 +77,7 @@ def fusing(spec: PlanSpec, memory: bool = True) -> PlanSpec:
     plan on the graph it was made on (its ``memory_model``)."""
     if spec.plan is not None:
         made_for_inductor = spec.plan.extras.get("memory_model") == INDUCTOR_MEMORY
-        return dataclasses.replace(spec, fused_recompute=made_for_inductor, inductor_memory=made_for_inductor)
+        return dataclasses.replace(spec, inductor_memory=made_for_inductor)
     if not spec.strategy.searching:
         return spec
     return dataclasses.replace(spec, fused_recompute=True, inductor_memory=memory)
@@ -196,7 +196,8 @@ def in_order_next(exc: Exception, compilers: InductorCompilers) -> bool:
 def in_plan_order_again(entry, planning: PlanSpec, attempt: Callable[[PlanSpec], tuple]) -> tuple:
     """The try after code that peaked above the budget with Inductor's horizontal fusion
     (:func:`in_order_next`): the plan just made (``entry.planned``), not solved again, compiled
-    without horizontal fusion (``attempt`` makes the compilers so), its source kept. Where that code still peaks above the budget, the tries after it plan lower."""
+    without horizontal fusion (``attempt`` makes the compilers so), its source kept. Where that code
+    still peaks above the budget, the tries after it plan lower."""
     made = entry.planned
     partition_fn, fw_compiler, bw_compiler = attempt(dataclasses.replace(planning, plan=made.plan))
 
