@@ -156,7 +156,8 @@ def plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, memor
     PlannedGraph
     """
     with fake_process_group(fsdp):
-        step = shard_for_planning(model, fsdp)
+        step = shard_for_planning(model, fsdp,
+                                  device=_plans_for(plan_options.get("device"), plan_options.get("cost_model")))
         plan_options["stamp_layers"] = False
         takes = get_solver(plan_options.get("solver", "cpsat")).options or ()
         if "memo" in takes and "memo" not in plan_options and plan_options.get("plan_cache") is None \
@@ -172,7 +173,8 @@ def analyze_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, *,
     """:func:`analyze` for rank 0 of an ``fsdp``-way FSDP2 step: its graph and
     cost graph (the CLI's ``pareto --fsdp N``)."""
     with fake_process_group(fsdp):
-        return analyze(shard_for_planning(model, fsdp), args, kwargs, stamp_layers=False, **options)
+        step = shard_for_planning(model, fsdp, device=_plans_for(options.get("device"), options.get("cost_model")))
+        return analyze(step, args, kwargs, stamp_layers=False, **options)
 
 
 def _plans_for(device, cost_model: CostModel | None):

@@ -39,7 +39,8 @@ class ValueInfo:
 
 
 #: Substrings of a collective's op name and how explain() names it.
-_COLLECTIVE_LABELS = (("all_to_all", "all-to-all"), ("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"))
+_COLLECTIVE_LABELS = (("all_to_all", "all-to-all"), ("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
+                      ("all_reduce", "all-reduce"))
 
 
 @dataclass
@@ -129,9 +130,14 @@ class Plan:
     # ------------------------------------------------------------------ people
     def _collectives_again(self) -> str:
         """The kinds of collective the plan runs again ("all-gather" for FSDP units gathered again
-        before their backward, "all-to-all" for recomputed MoE dispatches), for explain's totals."""
+        before their backward, "all-to-all" for recomputed MoE dispatches), for explain's totals.
+        In an FSDP step the only forward all-reduce is a unit's gather as gloo runs it
+        (:mod:`remat_compiler.fsdp.gather`), and is named so."""
+        labels = dict(_COLLECTIVE_LABELS)
+        if "fsdp_units" in self.extras:
+            labels["all_reduce"] = "all-gather (an all-reduce on gloo)"
         kinds = {label for v in self.values if v.decision == "recomputed"
-                 for key, label in _COLLECTIVE_LABELS if key in v.op}
+                 for key, label in labels.items() if key in v.op}
         return " and ".join(sorted(kinds)) or "collectives"
 
     def explain(self, max_rows: int = 40) -> str:

@@ -23,7 +23,9 @@ from remat_compiler.schedule import build_schedule, save_all_set, simulate
 
 __all__ = ["unit_values", "record_unit_choices", "fixed_reshard", "unit_lines", "COMPARE_S"]
 
-_GATHER = "all_gather_into_tensor"
+#: The ops of a unit's gather: the all-gather, or on gloo the all-reduce it is written as
+#: (:mod:`remat_compiler.fsdp.gather`).
+_GATHERS = ("all_gather_into_tensor", "all_reduce")
 
 
 def unit_values(cg: CostGraph, num_units_params: list[int]) -> list[dict]:
@@ -52,7 +54,7 @@ def unit_values(cg: CostGraph, num_units_params: list[int]) -> list[dict]:
             continue
         i = units.pop()
         out[i]["values"].add(n)
-        if out[i]["gather"] is None and _GATHER in str(cg.attr(n, "op")):
+        if out[i]["gather"] is None and any(g in str(cg.attr(n, "op")) for g in _GATHERS):
             out[i]["gather"] = n
     return out
 

@@ -8,6 +8,24 @@ unit, as FSDP2 issues one); backward casts the gradient of the gathered buffer t
 reduce-scatters it with a sum, divides by the unit's divide factor (the world size by default: the
 mean over ranks, as FSDP2) and hands each shard its piece in the parameter's own dtype.
 
+On a gloo group (CPU tensors) both collectives are written as all-reduces, in the buffers gloo
+would allocate for them, so that the plan sees every byte and knows where each is freed:
+
+- gloo's ``all_gather_into_tensor`` gathers into a flat buffer of its own the size of the result and
+  then copies it out (so the gather peaks at twice the gathered bytes; no graph value holds that
+  buffer). Here the rank's shards are placed in a zero buffer of the gathered size (``pad``) and
+  all-reduced with a sum: the same two buffers, as graph values. Adding zeros is exact (up to the
+  sign of a zero).
+- gloo's ``reduce_scatter_tensor`` all-reduces a clone of its input that no graph value holds, and
+  its worker thread may free that clone after the wait returns (seen on 2 ranks: a 1 MiB gradient's
+  clone still live at the next allocation). Here the gradient is all-reduced and the rank keeps its
+  row: the all-reduce's result is that clone, which the emitted code holds until gloo has let go of
+  it (:mod:`remat_compiler.collectives`).
+
+The link then carries what an all-reduce of the gathered bytes carries, and the plan charges that.
+A step planned over a fake group (:mod:`remat_compiler.fsdp.planning`) is written as the backend
+of the device it is planned for runs it: gloo's on the CPU, the plain collectives on an accelerator.
+
 Traced by AOTAutograd, the gathered buffer is a forward value like any other: the plan saves it (or
 the unsharded parameters cut from it) to backward, which is FSDP2's ``reshard_after_forward=False``,
 or frees it and recomputes it there, a second all-gather charged in bytes over the link, which is
@@ -31,17 +49,27 @@ __all__ = ["GatherSpec", "GatherUnit", "unsharded_params"]
 
 @dataclass(frozen=True)
 class GatherSpec:
-    """What one unit's gather needs: its group, world size, dtypes and divide factor."""
+    """What one unit's gather needs: its group, world size, dtypes and divide factor, the rank's
+    index in the group, and whether the group runs CPU tensors' collectives with gloo (then both
+    are all-reduces; see the module docstring)."""
 
     group: dist.ProcessGroup
     world: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     divide_factor: float
+    rank: int = 0
+    gloo: bool = False
 
     @classmethod
-    def of(cls, unit: Unit) -> "GatherSpec":
-        return cls(unit.process_group, unit.world, unit.param_dtype, unit.reduce_dtype, unit.divide_factor)
+    def of(cls, unit: Unit, *, gloo: bool | None = None) -> "GatherSpec":
+        """The unit's spec; ``gloo`` (default: whether the unit's group has a gloo backend) says
+        whether to write the collectives as gloo runs them (planning over a fake group sets it)."""
+        group = unit.process_group
+        if gloo is None:
+            gloo = "gloo" in str(dist.get_backend(group))
+        return cls(group, unit.world, unit.param_dtype, unit.reduce_dtype, unit.divide_factor,
+                   dist.get_rank(group), gloo)
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -60,6 +88,10 @@ class GatherUnit(torch.autograd.Function):
         ctx.dtypes = [s.dtype for s in shards]
         cast = [s if spec.param_dtype is None else s.to(spec.param_dtype) for s in shards]
         flat = cast[0].reshape(-1) if len(cast) == 1 else torch.cat([c.reshape(-1) for c in cast])
+        if spec.gloo and flat.device.type == "cpu":  # as gloo runs it, in buffers the plan sees
+            n = flat.numel()
+            placed = torch.nn.functional.pad(flat, (spec.rank * n, (spec.world - 1 - spec.rank) * n))
+            return _waited(funcol.all_reduce(placed, "sum", spec.group))
         return _waited(funcol.all_gather_tensor(flat, 0, spec.group))
 
     @staticmethod
@@ -67,8 +99,12 @@ class GatherUnit(torch.autograd.Function):
         spec = ctx.spec
         if spec.reduce_dtype is not None and grad.dtype != spec.reduce_dtype:
             grad = grad.to(spec.reduce_dtype)
-        reduced = _waited(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 0, spec.group))
-        reduced = reduced / spec.divide_factor
+        if spec.gloo and grad.device.type == "cpu":
+            summed = _waited(funcol.all_reduce(grad.contiguous(), "sum", spec.group))
+            reduced = summed.view(spec.world, -1)[spec.rank] / spec.divide_factor
+        else:
+            reduced = _waited(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 0, spec.group))
+            reduced = reduced / spec.divide_factor
         pieces = reduced.split(ctx.sizes) if len(ctx.sizes) > 1 else (reduced,)
         return (None, *(p if p.dtype == d else p.to(d) for p, d in zip(pieces, ctx.dtypes)))
 

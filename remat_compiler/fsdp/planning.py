@@ -76,10 +76,12 @@ def block_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
     return found
 
 
-def shard_for_planning(model: torch.nn.Module, world: int, *, mp_policy=None) -> ShardedStep:
+def shard_for_planning(model: torch.nn.Module, world: int, *, mp_policy=None, device=None) -> ShardedStep:
     """Rank 0's step of ``model`` sharded over ``world`` ranks (see the module docstring), inside
     :func:`fake_process_group`: a copy of the model, ``fully_shard`` on every block of
-    :func:`block_lists` and then on the root (with ``mp_policy``).
+    :func:`block_lists` and then on the root (with ``mp_policy``). Its collectives are those of the
+    backend that runs on ``device`` (the device the step is planned for; default the CPU): gloo's on
+    the CPU (its reduce-scatter an all-reduce, :mod:`remat_compiler.fsdp.gather`), else NCCL's.
 
     Raises
     ------
@@ -106,4 +108,4 @@ def shard_for_planning(model: torch.nn.Module, world: int, *, mp_policy=None) ->
         for block in blocks:
             fully_shard(block, **kw)
     fully_shard(model, **kw)
-    return ShardedStep(model)
+    return ShardedStep(model, gloo=device is None or torch.device(device).type == "cpu")

@@ -39,6 +39,9 @@ class ShardedStep(torch.nn.Module):
     ----------
     model : torch.nn.Module
         Sharded with ``fully_shard`` (blocks, then the root).
+    gloo : bool, optional
+        Whether the reduce-scatters are written as gloo runs them (an all-reduce, see
+        :mod:`remat_compiler.fsdp.gather`); default: where the unit's group has a gloo backend.
 
     Raises
     ------
@@ -46,11 +49,11 @@ class ShardedStep(torch.nn.Module):
         For an FSDP2 setup that is not supported (:func:`~remat_compiler.fsdp.units.fsdp_units`).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, gloo: bool | None = None):
         super().__init__()
         self.units: list[Unit] = fsdp_units(model)
         self.model = model
-        self._specs = [GatherSpec.of(u) if u.params else None for u in self.units]
+        self._specs = [GatherSpec.of(u, gloo=gloo) if u.params else None for u in self.units]
         self._sources: dict[str, torch.Tensor] = {}
         self.refresh()
 
