@@ -17,10 +17,12 @@ Peers, each run by FSDP2:
 - ``True`` + ``torch.compile`` of every block (torchtitan's way) with
   ``torch._functorch.config.activation_memory_budget`` = :data:`COMPILE_MEMORY_BUDGET`.
 
-Each peer's per-rank peak is measured over steps 2..(STEPS) with :class:`ResizeAwareTracker`
-(:class:`~remat_compiler.memory.LiveStorageTracker` that also counts storages FSDP2 re-allocates and frees
-with ``untyped_storage().resize_``, which no dispatch mode sees), the smaller rank's taken (every rank
-runs the same plan, and ours must peak at or below each rank's peer). Then
+Each peer's per-rank peak is measured over steps 2..(STEPS) by
+:class:`~remat_compiler.memory.AllocatorPeak` (the allocator's profiler events, which see FSDP2's
+storage resizes, kernels' temporaries and what gloo allocates inside a collective; ``--meter tracker``
+measures the eager rows with :class:`ResizeAwareTracker` instead, the step's own ops only), the
+smaller rank's taken (every rank runs the same plan, and ours must peak at or below each rank's
+peer). Then
 ``remat_compiler.compile`` of the same sharded model under that peak as its budget: predicted and
 measured peak per rank, recomputed FLOPs, bytes re-gathered (per rank, the all-gather inputs sent
 again). Step times are the medians of the rounds, peer and compiled interleaved in one process per
@@ -28,8 +30,7 @@ rank (CPU times on 2 shared cores); FLOPs and bytes are exact: both steps' FLOPs
 ``torch.utils.flop_counter`` as they run (the plan's own count is saved beside as ``plan_flops``).
 
 The ``torch.compile`` peer runs its compiled code only where no dispatch mode is on, so its peak,
-and ours beside it, are measured by :class:`~remat_compiler.memory.AllocatorPeak` (the allocator's
-profiler events, which see FSDP2's resizes and kernels' temporaries too), and its FLOPs (inside
+and ours beside it, are measured by ``AllocatorPeak`` whatever ``--meter`` says, and its FLOPs (inside
 Inductor's kernels, which the flop counter does not see) are not given; its row says how many
 graphs Dynamo compiled. What each peer recomputes is given for every row: its counted FLOPs less
 FSDP2 eager's, the ``torch.compile`` peer's counted on a twin that runs its partitioner's graphs op
@@ -48,7 +49,8 @@ code Inductor wrote (``plan_peak`` keeps the plan's own, on the backend's view o
 ``walks`` lists each try's. ``--peers`` picks peers by their index in :data:`PEERS` (0-3,
 comma-separated); ``--objective`` is the solve's (``compile(..., objective=)``); ``--budget`` plans
 ours under that many bytes instead of each peer's peak (the peers' peaks move between runs). Our
-solve runs with the library's defaults (CP-SAT's own worker count) and ``time_limit_s=20``.
+solve runs with the library's defaults (CP-SAT's own worker count) and ``time_limit_s``
+:data:`TIME_LIMIT_S` (``--time-limit``).
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ PEERS = ("reshard_after_forward=True", "reshard_after_forward=False", "True + ch
 #: ``torch._functorch.config.activation_memory_budget`` of the ``torch.compile`` peer (1.0: no
 #: recomputation; PyTorch's knob is a fraction of the saved activations' bytes)
 COMPILE_MEMORY_BUDGET = 0.5
+#: Our solve's ``time_limit_s`` (``--time-limit``)
+TIME_LIMIT_S = 20.0
 WORKLOADS = ("llama", "gpt2", "mixtral")
 
 
@@ -331,7 +335,8 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
 
     # torch.compile's code runs only with no dispatch mode on: its peer, and ours beside it, are measured
     # by the allocator's profiler events (which also see FSDP2's storage resizes and kernels' temporaries)
-    meter = AllocatorPeak if peer == PEERS[3] or backend == "inductor" else ResizeAwareTracker
+    tracker = os.environ.get("FSDP_PEERS_METER", "allocator") == "tracker"
+    meter = AllocatorPeak if peer == PEERS[3] or backend == "inductor" or not tracker else ResizeAwareTracker
     counters.clear()
     try:
         model = _model(peer, workload)
@@ -344,7 +349,8 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     budget = int(os.environ.get("FSDP_PEERS_BUDGET") or 0) or _min_over_ranks(peak)
     peer_flops = None if peer == PEERS[3] else _flops(step)
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
-                                time_limit_s=20, backend=backend, objective=objective)
+                                time_limit_s=float(os.environ.get("FSDP_PEERS_TIME_LIMIT") or TIME_LIMIT_S),
+                                backend=backend, objective=objective)
     cstep = _step(cm, ids)
     with walked_peaks() as walks:  # each try's walk of Inductor's code, under the Inductor backend
         cstep()
@@ -408,6 +414,11 @@ def main(argv=None) -> int:
                         help="plan ours under this many bytes instead of each peer's peak (to reproduce a row)")
     parser.add_argument("--objective", choices=("runtime", "flops"), default="runtime",
                         help="the solve's objective (compile's objective=; default runtime, the library's)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
+                        help=f"our solve's time_limit_s (default {TIME_LIMIT_S:g})")
+    parser.add_argument("--meter", choices=("allocator", "tracker"), default="allocator",
+                        help="what measures the eager rows: the allocator's events (default; they also see what "
+                             "gloo allocates inside a collective) or ResizeAwareTracker (the step's own ops only)")
     args = parser.parse_args(argv)
     if not set(args.peers.split(",")) <= {str(i) for i in range(len(PEERS))}:
         parser.error(f"--peers takes indices 0-{len(PEERS) - 1} of {PEERS}")
@@ -419,7 +430,8 @@ def main(argv=None) -> int:
 
     os.environ.update(FSDP_PEERS_WORKLOADS=args.workloads, FSDP_PEERS_PEERS=args.peers,
                       FSDP_PEERS_BACKEND=args.backend, FSDP_PEERS_OBJECTIVE=args.objective,
-                      FSDP_PEERS_BUDGET=str(args.budget))
+                      FSDP_PEERS_BUDGET=str(args.budget), FSDP_PEERS_TIME_LIMIT=str(args.time_limit),
+                      FSDP_PEERS_METER=args.meter)
     with tempfile.TemporaryDirectory() as out:
         dist_spawn.spawn_ranks(run_rank, 2, out, timeout_s=3600, start_method="spawn")
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
