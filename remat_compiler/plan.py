@@ -131,11 +131,11 @@ class Plan:
     def _collectives_again(self) -> str:
         """The kinds of collective the plan runs again ("all-gather" for FSDP units gathered again
         before their backward, "all-to-all" for recomputed MoE dispatches), for explain's totals.
-        In an FSDP step the only forward all-reduce is a unit's gather as gloo runs it
+        In an FSDP step a forward all-to-all is a unit's gather as it is written on gloo
         (:mod:`remat_compiler.fsdp.gather`), and is named so."""
         labels = dict(_COLLECTIVE_LABELS)
         if "fsdp_units" in self.extras:
-            labels["all_reduce"] = "all-gather (an all-reduce on gloo)"
+            labels["all_to_all"] = "all-gather"
         kinds = {label for v in self.values if v.decision == "recomputed"
                  for key, label in labels.items() if key in v.op}
         return " and ".join(sorted(kinds)) or "collectives"

@@ -92,10 +92,10 @@ def _shards(model) -> dict:
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
-def train(model, step_fn, params=None, steps: int = STEPS) -> dict:
+def train(model, step_fn, params=None, steps: int = STEPS, allocator_steps: int = ALLOCATOR_STEPS) -> dict:
     """``steps`` AdamW steps of ``step_fn(model) -> loss tensor``, each step alone measured; the first
-    step's gradients and every step's loss and measured peak; then ALLOCATOR_STEPS more steps (no
-    optimizer step) measured by the allocator (:class:`~remat_compiler.memory.AllocatorPeak`, which
+    step's gradients and every step's loss and measured peak; then ``allocator_steps`` more steps
+    (no optimizer step) measured by the allocator (:class:`~remat_compiler.memory.AllocatorPeak`, which
     also sees what gloo allocates inside a collective and when its thread frees it)."""
     opt = torch.optim.AdamW(params if params is not None else model.parameters(), lr=1e-2)
     out = {"losses": [], "peaks": []}
@@ -110,7 +110,7 @@ def train(model, step_fn, params=None, steps: int = STEPS) -> dict:
         opt.step()
     out["shards"] = _shards(model)
     out["allocator_peaks"] = []
-    for _ in range(ALLOCATOR_STEPS):
+    for _ in range(allocator_steps):
         opt.zero_grad(set_to_none=True)
         with AllocatorPeak() as mem:
             step_fn()
@@ -143,13 +143,14 @@ def plan_facts(cm) -> dict:
             "fingerprint": plan.fingerprint, "baseline": plan.baseline_peak_bytes,
             "budget": plan.budget_bytes, "units": plan.extras.get("fsdp_units"), "explain": plan.explain(),
             "json_units": __import__("json").loads(plan.to_json())["extras"].get("fsdp_units"),
-            "recompute_comm_bytes": plan.recompute_comm_bytes, "source": cm.planned.source}
+            "recompute_comm_bytes": plan.recompute_comm_bytes, "source": cm.planned.source,
+            "walk": None if cm.planned.compiled is None else cm.planned.compiled.peak_bytes}
 
 
 def compare_chain(rank: int, mp_policy, budget, backend: str = "eager") -> dict:
     batch = chain_batch(rank)
     ref = make_chain(mp_policy)
-    eager = train(ref, chain_step(ref, batch))
+    eager = train(ref, chain_step(ref, batch), allocator_steps=0)
     model = make_chain(mp_policy)
     cm = remat_compiler.compile(model, memory_budget=budget, backend=backend, **CPSAT)
     got = train(model, chain_step(cm, batch), params=cm.parameters())
@@ -159,7 +160,7 @@ def compare_chain(rank: int, mp_policy, budget, backend: str = "eager") -> dict:
 def compare_llama(rank: int, mp_policy, budget) -> dict:
     ids = llama_batch(rank)
     ref = make_llama(mp_policy)
-    eager = train(ref, llama_step(ref, ids), steps=2)
+    eager = train(ref, llama_step(ref, ids), steps=2, allocator_steps=0)
     model = make_llama(mp_policy)
     cm = remat_compiler.compile(model, memory_budget=budget, hold_outputs=False, **LLAMA_CPSAT)
     got = train(model, llama_step(cm, ids), params=cm.parameters(), steps=2)
@@ -190,7 +191,7 @@ def reshard_choice(rank: int) -> dict:
     gen = torch.Generator().manual_seed(300 + rank)
     batch = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
     ref = make_mixed()
-    eager = train(ref, chain_step(ref, batch), steps=2)
+    eager = train(ref, chain_step(ref, batch), steps=2, allocator_steps=0)
     model = make_mixed()
     # tolerance=0: the joint plan is compared with the fixed settings' proven optima
     cm = remat_compiler.compile(model, memory_budget=MIXED_FRACTION, tolerance=0, **CPSAT)
@@ -372,7 +373,7 @@ def print_table(out_dir: str) -> None:
             diff = max((c["grads"][k].float() - e["grads"][k].float()).abs().max().item() for k in e["grads"])
             kept = [u["unit"] for u in p["units"] if u["choice"] == "kept"]
             again = [u["unit"] for u in p["units"] if u["choice"] == "re-gathered"]
-            print(f"| {key} | {r} | {p['budget']} | {p['predicted']} | {sorted(set(c['peaks'][1:]))} "
+            print(f"| {key} | {r} | {p['budget']} | {p['predicted']} (walk {p['walk']}) | {sorted(set(c['peaks'][1:]))} "
                   f"| {sorted(set(c['allocator_peaks']))} "
                   f"| {diff:.2e} | {', '.join(kept) or '-'} / {', '.join(again) or '-'} "
                   f"| {p['recompute_comm_bytes']} |")

@@ -23,9 +23,9 @@ from remat_compiler.schedule import build_schedule, save_all_set, simulate
 
 __all__ = ["unit_values", "record_unit_choices", "fixed_reshard", "unit_lines", "COMPARE_S"]
 
-#: The ops of a unit's gather: the all-gather, or on gloo the all-reduce it is written as
+#: The ops of a unit's gather: the all-gather, or on gloo the all-to-all it is written as
 #: (:mod:`remat_compiler.fsdp.gather`).
-_GATHERS = ("all_gather_into_tensor", "all_reduce")
+_GATHERS = ("all_gather_into_tensor", "all_to_all_single")
 
 
 def unit_values(cg: CostGraph, num_units_params: list[int]) -> list[dict]:

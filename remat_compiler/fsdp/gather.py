@@ -8,21 +8,27 @@ unit, as FSDP2 issues one); backward casts the gradient of the gathered buffer t
 reduce-scatters it with a sum, divides by the unit's divide factor (the world size by default: the
 mean over ranks, as FSDP2) and hands each shard its piece in the parameter's own dtype.
 
-On a gloo group (CPU tensors) both collectives are written as all-reduces, in the buffers gloo
-would allocate for them, so that the plan sees every byte and knows where each is freed:
+On a gloo group (CPU tensors) both collectives are written as all-to-alls, in buffers the plan
+sees and frees where it says:
 
 - gloo's ``all_gather_into_tensor`` gathers into a flat buffer of its own the size of the result and
-  then copies it out (so the gather peaks at twice the gathered bytes; no graph value holds that
-  buffer). Here the rank's shards are placed in a zero buffer of the gathered size (``pad``) and
-  all-reduced with a sum: the same two buffers, as graph values. Adding zeros is exact (up to the
-  sign of a zero).
+  then copies it out (so the gather peaks at twice the gathered bytes, half of them in no graph
+  value). Here the rank's flat shards are repeated once per rank (``repeat``) and all-to-all'ed:
+  row ``r`` of the result is rank ``r``'s shards. The same two buffers, as graph values, and the
+  same bytes over the link as an all-gather (an all-reduce of the placed shards would send twice
+  as many).
 - gloo's ``reduce_scatter_tensor`` all-reduces a clone of its input that no graph value holds, and
   its worker thread may free that clone after the wait returns (seen on 2 ranks: a 1 MiB gradient's
-  clone still live at the next allocation). Here the gradient is all-reduced and the rank keeps its
-  row: the all-reduce's result is that clone, which the emitted code holds until gloo has let go of
-  it (:mod:`remat_compiler.collectives`).
+  clone still live at the next allocation). Here the gradient is all-to-all'ed (rank ``r`` gets
+  every rank's gradient of its shard, one row each) and the rows are summed: the received buffer is
+  the clone's size, a graph value, and half the all-reduce's bytes cross the link.
 
-The link then carries what an all-reduce of the gathered bytes carries, and the plan charges that.
+gloo's all-to-all allocates nothing but its result, and the emitted code holds both buffers until
+gloo's thread has let go of them (:mod:`remat_compiler.collectives`). The rows are summed in rank
+order; on 2 ranks that is the sum gloo's all-reduce makes, bit for bit. The cost model charges a
+collective its input's bytes, so an all-to-all here is charged ``world / (world - 1)`` times what
+crosses the link (all of the repeated shards, of which the rank's own row stays).
+
 A step planned over a fake group (:mod:`remat_compiler.fsdp.planning`) is written as the backend
 of the device it is planned for runs it: gloo's on the CPU, the plain collectives on an accelerator.
 
@@ -51,7 +57,7 @@ __all__ = ["GatherSpec", "GatherUnit", "unsharded_params"]
 class GatherSpec:
     """What one unit's gather needs: its group, world size, dtypes and divide factor, the rank's
     index in the group, and whether the group runs CPU tensors' collectives with gloo (then both
-    are all-reduces; see the module docstring)."""
+    are all-to-alls; see the module docstring)."""
 
     group: dist.ProcessGroup
     world: int
@@ -88,10 +94,8 @@ class GatherUnit(torch.autograd.Function):
         ctx.dtypes = [s.dtype for s in shards]
         cast = [s if spec.param_dtype is None else s.to(spec.param_dtype) for s in shards]
         flat = cast[0].reshape(-1) if len(cast) == 1 else torch.cat([c.reshape(-1) for c in cast])
-        if spec.gloo and flat.device.type == "cpu":  # as gloo runs it, in buffers the plan sees
-            n = flat.numel()
-            placed = torch.nn.functional.pad(flat, (spec.rank * n, (spec.world - 1 - spec.rank) * n))
-            return _waited(funcol.all_reduce(placed, "sum", spec.group))
+        if spec.gloo and flat.device.type == "cpu":  # in buffers the plan sees (module docstring)
+            return _waited(funcol.all_to_all_single(flat.repeat(spec.world), None, None, spec.group))
         return _waited(funcol.all_gather_tensor(flat, 0, spec.group))
 
     @staticmethod
@@ -99,9 +103,9 @@ class GatherUnit(torch.autograd.Function):
         spec = ctx.spec
         if spec.reduce_dtype is not None and grad.dtype != spec.reduce_dtype:
             grad = grad.to(spec.reduce_dtype)
-        if spec.gloo and grad.device.type == "cpu":
-            summed = _waited(funcol.all_reduce(grad.contiguous(), "sum", spec.group))
-            reduced = summed.view(spec.world, -1)[spec.rank] / spec.divide_factor
+        if spec.gloo and grad.device.type == "cpu":  # row r: rank r's gradient of this rank's shard
+            received = _waited(funcol.all_to_all_single(grad.contiguous(), None, None, spec.group))
+            reduced = received.view(spec.world, -1).sum(0) / spec.divide_factor
         else:
             reduced = _waited(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 0, spec.group))
             reduced = reduced / spec.divide_factor
