@@ -323,12 +323,14 @@ def _fsdp_section(data_dir: str) -> list[str]:
         return []
     doc = _load_json("fsdp_peers.json", data_dir)
     return ["## Sharded: FSDP2's own settings against the plan, at each one's measured peak", "",
-            "Command: `python -m benchmarks.fsdp_peers --json benchmarks/data/fsdp_peers.json` (about 10 "
+            "Command: `python -m benchmarks.fsdp_peers --json benchmarks/data/fsdp_peers.json` (about 7 "
             f"minutes); code: commit {doc['commit']}.\n2 gloo ranks on this 2-core CPU, every block a "
             "`fully_shard` unit then the root, fp32. Each peer runs FSDP2; its per-rank\npeak is measured "
-            "(with what FSDP2 re-allocates by resizing storages; the `torch.compile` peer's, and ours beside "
-            "it,\nby the allocator's events), and remat_compiler compiles the same sharded model with the "
-            "smaller rank's peak as\nits budget (the one plan runs on every rank). Step times: medians of "
+            "by the allocator's events (which see what FSDP2 re-allocates by resizing storages and what gloo\n"
+            "allocates inside a collective; " + ("the peers' and ours" if doc["rows"] and doc["rows"][0].get("meter") ==
+                                                 "AllocatorPeak" else "the `torch.compile` peer's and ours beside it") +
+            "), and remat_compiler compiles the same sharded model with the smaller rank's peak as\nits budget "
+            "(the one plan runs on every rank). Step times: medians of "
             "interleaved rounds, one process a rank "
             "(indicative); FLOPs (the flop counter's,\nwhich sees none inside Inductor's kernels, with grouped "
             "matmuls counted as the planner counts them: see docs/fsdp.md)\nand bytes are exact. Recomputed "
@@ -343,7 +345,8 @@ def _fsdp_inductor_rows(data_dir: str) -> list[str]:
     library's objective and with ``objective="flops"``."""
     lines = []
     for name, flag, title in (("fsdp_peers_inductor.json", "", ""),
-                              ("fsdp_peers_inductor_flops.json", " --objective flops", ", `objective=\"flops\"`")):
+                              ("fsdp_peers_inductor_flops.json", " --objective flops --time-limit 60",
+                               ", `objective=\"flops\"`")):
         if not _exists(data_dir, name):
             continue
         doc = _load_json(name, data_dir)
