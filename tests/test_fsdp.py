@@ -72,12 +72,14 @@ def test_sequential_trains_like_fsdp2_eager(ranks, key):
 
 def test_the_sharded_step_under_inductor_trains_like_fsdp2_eager(ranks):
     """backend="inductor" on the FSDP2-sharded chain: the planned step, collectives included, compiled
-    by Inductor on every rank from rank 0's plan, trains 5 AdamW steps like FSDP2 eager. (Its peak is
-    Inductor's buffers', which the tracker does not see: benchmarks.fsdp_peers --backend inductor
-    measures it with the allocator.)"""
+    by Inductor on every rank from rank 0's plan, trains 5 AdamW steps like FSDP2 eager, and the
+    allocator measures the walk of Inductor's code (its peak is Inductor's buffers', which the
+    tracker does not see), gloo's buffers included."""
     for r, res in enumerate(ranks):
         assert res["chain_inductor"]["backend"] == "inductor", r
         _assert_trains_like_eager(res["chain_inductor"], f"chain under Inductor, rank {r}")
+        allocator, walk = res["chain_inductor"]["compiled"]["allocator_peaks"], res["chain_inductor"]["plan"]["walk"]
+        assert min(allocator) == walk, (r, allocator, walk)
     digests = {res["chain_inductor"]["plan"]["digest"] for res in ranks}
     assert len(digests) == 1 and ranks[0]["chain_inductor"]["plan"]["source"] == "solved"
 
