@@ -22,11 +22,11 @@ Each peer's per-rank peak is measured over steps 2..(STEPS) by
 storage resizes, kernels' temporaries and what gloo allocates inside a collective; ``--meter tracker``
 measures the eager rows with :class:`ResizeAwareTracker` instead, the step's own ops only), the
 smaller rank's taken (every rank runs the same plan, and ours must peak at or below each rank's
-peer). Then
-``remat_compiler.compile`` of the same sharded model under that peak as its budget: predicted and
-measured peak per rank, recomputed FLOPs, bytes re-gathered (per rank, the all-gather inputs sent
-again). Step times are the medians of the rounds, peer and compiled interleaved in one process per
-rank (CPU times on 2 shared cores); FLOPs and bytes are exact: both steps' FLOPs are counted by
+peer). Then ``remat_compiler.compile`` of the same sharded model under that peak as its budget: predicted and
+measured peak per rank, recomputed FLOPs, bytes re-gathered (per rank, the gathers' inputs sent
+again: on gloo the all-to-alls' repeated shards, :mod:`remat_compiler.fsdp.gather`). Step times are
+the medians of the rounds, peer and compiled interleaved in one process per rank (CPU times on 2
+shared cores); FLOPs and bytes are exact: both steps' FLOPs are counted by
 ``torch.utils.flop_counter`` as they run (the plan's own count is saved beside as ``plan_flops``).
 
 The ``torch.compile`` peer runs its compiled code only where no dispatch mode is on, so its peak,
@@ -335,8 +335,8 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
 
     # torch.compile's code runs only with no dispatch mode on: its peer, and ours beside it, are measured
     # by the allocator's profiler events (which also see FSDP2's storage resizes and kernels' temporaries)
-    tracker = os.environ.get("FSDP_PEERS_METER", "allocator") == "tracker"
-    meter = AllocatorPeak if peer == PEERS[3] or backend == "inductor" or not tracker else ResizeAwareTracker
+    by_tracker = os.environ.get("FSDP_PEERS_METER", "allocator") == "tracker"
+    meter = ResizeAwareTracker if by_tracker and peer != PEERS[3] and backend == "eager" else AllocatorPeak
     counters.clear()
     try:
         model = _model(peer, workload)

@@ -39,8 +39,7 @@ class ValueInfo:
 
 
 #: Substrings of a collective's op name and how explain() names it.
-_COLLECTIVE_LABELS = (("all_to_all", "all-to-all"), ("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
-                      ("all_reduce", "all-reduce"))
+_COLLECTIVE_LABELS = (("all_to_all", "all-to-all"), ("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"))
 
 
 @dataclass
@@ -131,13 +130,14 @@ class Plan:
     def _collectives_again(self) -> str:
         """The kinds of collective the plan runs again ("all-gather" for FSDP units gathered again
         before their backward, "all-to-all" for recomputed MoE dispatches), for explain's totals.
-        In an FSDP step a forward all-to-all is a unit's gather as it is written on gloo
-        (:mod:`remat_compiler.fsdp.gather`), and is named so."""
-        labels = dict(_COLLECTIVE_LABELS)
-        if "fsdp_units" in self.extras:
-            labels["all_to_all"] = "all-gather"
-        kinds = {label for v in self.values if v.decision == "recomputed"
-                 for key, label in labels.items() if key in v.op}
+        An FSDP unit's gather (``extras["fsdp_units"]``' ``gather`` node) is an all-gather whatever
+        op runs it (on gloo an all-to-all, :mod:`remat_compiler.fsdp.gather`)."""
+        gathers = {r.get("gather") for r in self.extras.get("fsdp_units", ())}
+        kinds = set()
+        for v in self.values:
+            if v.decision == "recomputed":
+                kinds |= {"all-gather"} if v.name in gathers else \
+                    {label for key, label in _COLLECTIVE_LABELS if key in v.op}
         return " and ".join(sorted(kinds)) or "collectives"
 
     def explain(self, max_rows: int = 40) -> str:

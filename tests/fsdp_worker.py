@@ -373,7 +373,8 @@ def print_table(out_dir: str) -> None:
             diff = max((c["grads"][k].float() - e["grads"][k].float()).abs().max().item() for k in e["grads"])
             kept = [u["unit"] for u in p["units"] if u["choice"] == "kept"]
             again = [u["unit"] for u in p["units"] if u["choice"] == "re-gathered"]
-            print(f"| {key} | {r} | {p['budget']} | {p['predicted']} (walk {p['walk']}) | {sorted(set(c['peaks'][1:]))} "
+            print(f"| {key} | {r} | {p['budget']} | {p['predicted']} (walk {p['walk']}) "
+                  f"| {sorted(set(c['peaks'][1:]))} "
                   f"| {sorted(set(c['allocator_peaks']))} "
                   f"| {diff:.2e} | {', '.join(kept) or '-'} / {', '.join(again) or '-'} "
                   f"| {p['recompute_comm_bytes']} |")

@@ -48,7 +48,9 @@ def _assert_trains_like_eager(res: dict, label: str, *, shard_atol: float = 1e-6
 def _assert_plan_on_ranks(ranks, key: str) -> None:
     """The same plan on every rank (rank 0's, broadcast); on every rank each step after the first
     (which traces and plans) measures exactly the predicted peak, within the budget, and so does the
-    allocator (gloo's collectives allocate nothing the plan does not see: fsdp.gather)."""
+    allocator in the least of the steps it measures (fsdp.gather writes gloo's buffers as graph
+    values; on a few steps in ten to thirty the allocator sees a few KiB more, see
+    fsdp_worker.ALLOCATOR_STEPS)."""
     first = ranks[0][key]["plan"]
     for r, res in enumerate(ranks):
         plan, peaks = res[key]["plan"], res[key]["compiled"]["peaks"]
@@ -216,8 +218,8 @@ def test_planning_one_rank_on_meta_gives_the_real_ranks_graph(ranks):
     import torch.distributed as dist
 
     import remat_compiler
-    from remat_compiler.trace.device import DeviceTraceWarning
     from remat_compiler.fsdp import is_fsdp_model
+    from remat_compiler.trace.device import DeviceTraceWarning
 
     model, ids = _meta_llama()
     planned = remat_compiler.plan_model(model, (ids,), {"labels": ids}, 0.9, hold_outputs=False, fsdp=2,

@@ -92,8 +92,8 @@ COMPARE_S = 20.0
 
 def record_unit_choices(planned, units, *, compare_s: float = COMPARE_S) -> None:
     """Write each unit's choice and why into ``planned.plan.extras["fsdp_units"]`` (a list, one
-    dict per unit in forward order: ``unit``, ``choice`` ("kept" or "re-gathered"),
-    ``unsharded_bytes``, ``regather_comm_bytes``, ``flipped_peak_bytes``,
+    dict per unit in forward order: ``unit``, ``gather`` (its gather's node), ``choice`` ("kept" or
+    "re-gathered"), ``unsharded_bytes``, ``regather_comm_bytes``, ``flipped_peak_bytes``,
     ``flipped_recompute_s``, ``why``). The flipped figures come from one simulation per unit, for
     ``compare_s`` seconds at most; past it they are None and ``why`` says so."""
     cg, plan = planned.cg, planned.plan
@@ -113,7 +113,7 @@ def record_unit_choices(planned, units, *, compare_s: float = COMPARE_S) -> None
             flipped = saved - uv["values"]
         comm = int(cg.attr(gather, "comm_bytes"))
         unsharded = int(cg.attr(gather, "bytes"))
-        record = {"unit": unit.label, "choice": "re-gathered" if regathered else "kept",
+        record = {"unit": unit.label, "gather": gather, "choice": "re-gathered" if regathered else "kept",
                   "unsharded_bytes": unsharded, "regather_comm_bytes": comm,
                   "flipped_peak_bytes": None, "flipped_recompute_s": None,
                   "why": f"not compared with the other choice (past {compare_s:.0f} s of comparisons)"}

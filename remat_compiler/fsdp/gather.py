@@ -23,8 +23,9 @@ sees and frees where it says:
   every rank's gradient of its shard, one row each) and the rows are summed: the received buffer is
   the clone's size, a graph value, and half the all-reduce's bytes cross the link.
 
-gloo's all-to-all allocates nothing but its result, and the emitted code holds both buffers until
-gloo's thread has let go of them (:mod:`remat_compiler.collectives`). The rows are summed in rank
+gloo's all-to-all allocated nothing but its result in a probe on 2 ranks (one allocation, the
+result's bytes), and the emitted code holds both buffers until gloo's thread has let go of them
+(:mod:`remat_compiler.collectives`). The rows are summed in rank
 order; on 2 ranks that is the sum gloo's all-reduce makes, bit for bit. The cost model charges a
 collective its input's bytes, so an all-to-all here is charged ``world / (world - 1)`` times what
 crosses the link (all of the repeated shards, of which the rank's own row stays).
@@ -55,16 +56,15 @@ __all__ = ["GatherSpec", "GatherUnit", "unsharded_params"]
 
 @dataclass(frozen=True)
 class GatherSpec:
-    """What one unit's gather needs: its group, world size, dtypes and divide factor, the rank's
-    index in the group, and whether the group runs CPU tensors' collectives with gloo (then both
-    are all-to-alls; see the module docstring)."""
+    """What one unit's gather needs: its group, world size, dtypes and divide factor, and whether
+    the group runs CPU tensors' collectives with gloo (then both are all-to-alls; see the module
+    docstring)."""
 
     group: dist.ProcessGroup
     world: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     divide_factor: float
-    rank: int = 0
     gloo: bool = False
 
     @classmethod
@@ -74,8 +74,7 @@ class GatherSpec:
         group = unit.process_group
         if gloo is None:
             gloo = "gloo" in str(dist.get_backend(group))
-        return cls(group, unit.world, unit.param_dtype, unit.reduce_dtype, unit.divide_factor,
-                   dist.get_rank(group), gloo)
+        return cls(group, unit.world, unit.param_dtype, unit.reduce_dtype, unit.divide_factor, gloo)
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ def shard_for_planning(model: torch.nn.Module, world: int, *, mp_policy=None, de
     :func:`fake_process_group`: a copy of the model, ``fully_shard`` on every block of
     :func:`block_lists` and then on the root (with ``mp_policy``). Its collectives are those of the
     backend that runs on ``device`` (the device the step is planned for; default the CPU): gloo's on
-    the CPU (its reduce-scatter an all-reduce, :mod:`remat_compiler.fsdp.gather`), else NCCL's.
+    the CPU (both written as all-to-alls, :mod:`remat_compiler.fsdp.gather`), else NCCL's.
 
     Raises
     ------

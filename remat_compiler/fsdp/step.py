@@ -40,7 +40,7 @@ class ShardedStep(torch.nn.Module):
     model : torch.nn.Module
         Sharded with ``fully_shard`` (blocks, then the root).
     gloo : bool, optional
-        Whether the reduce-scatters are written as gloo runs them (an all-reduce, see
+        Whether the gathers and reduce-scatters are written in gloo's form (all-to-alls, see
         :mod:`remat_compiler.fsdp.gather`); default: where the unit's group has a gloo backend.
 
     Raises
