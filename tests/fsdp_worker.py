@@ -334,6 +334,34 @@ def refusals(rank: int) -> dict:
     return out
 
 
+def gather_forms(rank: int, world: int, port: int, out_dir: str) -> None:
+    """On ``world`` gloo ranks, a unit's gather and gradient reduction (fsdp.gather.GatherUnit, run
+    eagerly) written both ways, gloo's all-to-alls and the plain all-gather and reduce-scatter, for
+    fp32 and for bf16 parameters reduced in fp32; saves each form's gathered buffer and shard
+    gradients. Two flat shards of different sizes (15 and 7 elements a rank), divided by the world size."""
+    import dataclasses
+
+    from remat_compiler.fsdp.gather import GatherSpec, GatherUnit
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    out = {}
+    try:
+        gen = torch.Generator().manual_seed(300 + rank)
+        shards = [torch.randn(15, generator=gen), torch.randn(7, generator=gen)]  # flat, as the padded shards are
+        weight = torch.randn(world * 22, generator=torch.Generator().manual_seed(7))  # the same on every rank
+        for dtypes in ((None, None), (torch.bfloat16, torch.float32)):
+            spec = GatherSpec(dist.group.WORLD, world, *dtypes, float(world), gloo=True)
+            for form in (spec, dataclasses.replace(spec, gloo=False)):
+                leaves = [x.clone().requires_grad_() for x in shards]
+                gathered = GatherUnit.apply(form, *leaves)
+                (gathered.float() * weight * (rank + 1)).sum().backward()
+                out[(dtypes[0], form.gloo)] = (gathered.detach().clone(), [x.grad.clone() for x in leaves])
+    finally:
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))

@@ -72,6 +72,24 @@ def test_sequential_trains_like_fsdp2_eager(ranks, key):
     _assert_plan_on_ranks(ranks, key)
 
 
+def test_gloos_all_to_all_gather_and_reduce_equal_the_plain_collectives_on_three_ranks(tmp_path):
+    """fsdp.gather's gloo form (all-to-alls) against the plain all-gather and reduce-scatter, run
+    eagerly on 3 gloo ranks with uneven shards: the same gathered buffer (row r rank r's shards) and
+    the same shard gradients (the sum over ranks, divided by the world size), in fp32 and with bf16
+    parameters reduced in fp32."""
+    world = 3
+    dist_spawn.spawn_ranks(worker.gather_forms, world, tmp_path, timeout_s=60)
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(saved):
+        for param_dtype in (None, torch.bfloat16):
+            (gathered, grads), (want, want_grads) = res[(param_dtype, True)], res[(param_dtype, False)]
+            assert torch.equal(gathered, want), (r, param_dtype)
+            assert gathered.dtype == (param_dtype or torch.float32) and gathered.numel() == world * 22
+            for got, ref in zip(grads, want_grads, strict=True):
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {r}: {m}")
+    assert all(torch.equal(res[(None, True)][0], saved[0][(None, True)][0]) for res in saved)  # one buffer on all
+
+
 def test_the_sharded_step_under_inductor_trains_like_fsdp2_eager(ranks):
     """backend="inductor" on the FSDP2-sharded chain: the planned step, collectives included, compiled
     by Inductor on every rank from rank 0's plan, trains 5 AdamW steps like FSDP2 eager, and the
