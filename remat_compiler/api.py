@@ -156,8 +156,7 @@ def plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, memor
     PlannedGraph
     """
     with fake_process_group(fsdp):
-        step = shard_for_planning(model, fsdp,
-                                  device=_plans_for(plan_options.get("device"), plan_options.get("cost_model")))
+        step = _sharded_for_planning(model, fsdp, plan_options)
         plan_options["stamp_layers"] = False
         takes = get_solver(plan_options.get("solver", "cpsat")).options or ()
         if "memo" in takes and "memo" not in plan_options and plan_options.get("plan_cache") is None \
@@ -173,8 +172,12 @@ def analyze_sharded(model: torch.nn.Module, args: tuple, kwargs: dict | None, *,
     """:func:`analyze` for rank 0 of an ``fsdp``-way FSDP2 step: its graph and
     cost graph (the CLI's ``pareto --fsdp N``)."""
     with fake_process_group(fsdp):
-        step = shard_for_planning(model, fsdp, device=_plans_for(options.get("device"), options.get("cost_model")))
-        return analyze(step, args, kwargs, stamp_layers=False, **options)
+        return analyze(_sharded_for_planning(model, fsdp, options), args, kwargs, stamp_layers=False, **options)
+
+
+def _sharded_for_planning(model: torch.nn.Module, fsdp: int, options: dict):
+    """:func:`~remat_compiler.fsdp.planning.shard_for_planning` for the device ``options`` plan for."""
+    return shard_for_planning(model, fsdp, device=_plans_for(options.get("device"), options.get("cost_model")))
 
 
 def _plans_for(device, cost_model: CostModel | None):

@@ -12,6 +12,7 @@ errors the refused setups raise. One spawn for all of it: each costs seconds of 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import traceback
@@ -343,10 +344,8 @@ def gather_forms(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from remat_compiler.fsdp.gather import GatherSpec, GatherUnit
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     out = {}
-    try:
+    with _gloo_rank(rank, world, port, out_dir, out):
         gen = torch.Generator().manual_seed(300 + rank)
         shards = [torch.randn(15, generator=gen), torch.randn(7, generator=gen)]  # flat, as the padded shards are
         weight = torch.randn(world * 22, generator=torch.Generator().manual_seed(7))  # the same on every rank
@@ -357,17 +356,29 @@ def gather_forms(rank: int, world: int, port: int, out_dir: str) -> None:
                 gathered = GatherUnit.apply(form, *leaves)
                 (gathered.float() * weight * (rank + 1)).sum().backward()
                 out[(dtypes[0], form.gloo)] = (gathered.detach().clone(), [x.grad.clone() for x in leaves])
+
+
+@contextlib.contextmanager
+def _gloo_rank(rank: int, world: int, port: int, out_dir: str, res: dict):
+    """This process as rank ``rank`` of ``world`` gloo ranks on localhost while the block runs; then
+    ``res`` saved as ``rank<rank>.pt`` in ``out_dir`` (with the traceback of an error the block
+    raised, which is raised again: the rank fails) and the group destroyed."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - saved for the test to print, then the rank fails
+        res["error"] = traceback.format_exc()
+        raise
     finally:
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
     res = {}
-    try:
+    with _gloo_rank(rank, world, port, out_dir, res):
+        torch.set_num_threads(1)
         res["chain"] = compare_chain(rank, None, 0.85)
         res["chain_mp"] = compare_chain(rank, MP, 0.85)
         res["chain_inductor"] = compare_chain(rank, None, 0.85, backend="inductor")
@@ -377,12 +388,6 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         res["dcp"] = checkpoint_round_trip(rank, out_dir)
         res["accumulation"] = accumulation(rank)
         res["refused"] = refusals(rank)
-    except Exception:  # noqa: BLE001 - saved for the test to print, then the rank fails
-        res["error"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
 
 
 def print_table(out_dir: str) -> None:
