@@ -312,19 +312,22 @@ class AllocatorPeak:
             stack.extend(reversed(node.children))
             fields = node.extra_fields
             if node.tag == _EventType.Allocation and fields.device.type == "cpu":
-                events.append((node.start_time_ns, len(events), fields.allocation_id, fields.alloc_size, node))
+                events.append((node.start_time_ns, len(events), fields.ptr, fields.alloc_size, node))
         events.sort(key=lambda event: event[:2])  # at equal times, in the order recorded
         # A free counts only where the block allocated that storage: a free of storage from before the
         # block has no size to the profiler, and one from an earlier profiled block has, but belongs
-        # to the level the block started from.
+        # to the level the block started from. Matched by address (the profiler's allocation_id is
+        # None on torch 2.13's CPU events), each free ending the block's allocation at that address.
         mine: set[int] = set()
         live = peak = 0
         at_peak = None
-        for _, _, allocation, nbytes, node in events:
+        for _, _, address, nbytes, node in events:
             if nbytes > 0:
-                mine.add(allocation)
+                mine.add(address)
                 self.allocations += 1
-            elif allocation not in mine:
+            elif address in mine:
+                mine.discard(address)
+            else:
                 continue
             live += nbytes
             if live > peak:

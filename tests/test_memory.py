@@ -50,6 +50,15 @@ def test_a_block_that_frees_what_an_earlier_block_allocated_counts_from_its_own_
         z = (x @ x).relu()
     assert second.peak_bytes == 2 * x.nbytes
     assert z.shape == x.shape
+    # freed after the block's first allocation: the profiler's allocation_id is None on torch 2.13,
+    # so a free matched by id counted here: this block measured one product less (263,168 bytes)
+    with AllocatorPeak():
+        y = x @ x
+    with AllocatorPeak() as third:
+        row = x[0] * 2
+        del y
+        z = (x @ x).relu()
+    assert third.peak_bytes == row.nbytes + 2 * x.nbytes, third.peak_bytes
 
 
 def test_the_allocator_sees_what_a_kernel_allocates_inside_itself():
