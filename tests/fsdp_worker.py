@@ -29,9 +29,10 @@ from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
 __all__ = ["make_chain", "make_llama", "run_rank", "STEPS", "MP", "CPSAT"]
 
 STEPS = 5
-#: Steps measured by the allocator after training: a few, since in about one step of ten to thirty on 2
-#: shared cores the allocator's events put a few KiB more (once 5,476 bytes less) at the peak than any
-#: other step shows (not found why)
+#: Steps measured by the allocator after training: a few, since in some steps on 2 shared cores the
+#: allocator's events never show the free of one gathered unit (the collective's result; a few KiB
+#: here), so it counts as live to the end of the step (see docs/measuring-memory.md). None measures
+#: below the prediction since AllocatorPeak matches frees by address (once 5,476 bytes below before).
 ALLOCATOR_STEPS = 3
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CPSAT = dict(time_limit_s=5, num_workers=1)

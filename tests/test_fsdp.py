@@ -48,8 +48,8 @@ def _assert_trains_like_eager(res: dict, label: str, *, shard_atol: float = 1e-6
 def _assert_plan_on_ranks(ranks, key: str) -> None:
     """The same plan on every rank (rank 0's, broadcast); on every rank each step after the first
     (which traces and plans) measures exactly the predicted peak, within the budget, and so does the
-    allocator in one of the steps it measures at least (fsdp.gather writes gloo's buffers as graph
-    values; in a few steps in ten to thirty the allocator sees a few KiB more or less, see
+    allocator in the least of the steps it measures (fsdp.gather writes gloo's buffers as graph
+    values; in some steps the allocator never sees one gathered unit freed, see
     fsdp_worker.ALLOCATOR_STEPS)."""
     first = ranks[0][key]["plan"]
     for r, res in enumerate(ranks):
@@ -58,7 +58,7 @@ def _assert_plan_on_ranks(ranks, key: str) -> None:
         assert plan["source"] == ("solved" if r == 0 else "rank 0"), (key, r, plan["source"])
         assert set(peaks[1:]) == {plan["predicted"]}, (key, r, peaks, plan["predicted"])
         allocator = res[key]["compiled"]["allocator_peaks"]
-        assert plan["predicted"] in allocator, (key, r, allocator, plan["predicted"])
+        assert min(allocator) == plan["predicted"], (key, r, allocator, plan["predicted"])
         if plan["budget"] is not None:
             assert plan["predicted"] <= plan["budget"], (key, r, plan)
 
@@ -99,7 +99,7 @@ def test_the_sharded_step_under_inductor_trains_like_fsdp2_eager(ranks):
         assert res["chain_inductor"]["backend"] == "inductor", r
         _assert_trains_like_eager(res["chain_inductor"], f"chain under Inductor, rank {r}")
         allocator, walk = res["chain_inductor"]["compiled"]["allocator_peaks"], res["chain_inductor"]["plan"]["walk"]
-        assert walk in allocator, (r, allocator, walk)
+        assert min(allocator) == walk, (r, allocator, walk)
     digests = {res["chain_inductor"]["plan"]["digest"] for res in ranks}
     assert len(digests) == 1 and ranks[0]["chain_inductor"]["plan"]["source"] == "solved"
 
