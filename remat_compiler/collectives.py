@@ -12,12 +12,18 @@ release) stay in the forward.
 
 The generated code spins: :func:`release_collective_inputs` busy-waits (``time.sleep(0)`` between
 polls of the reference counts) for at most :data:`RELEASE_TIMEOUT_S` after each wait, on CPU tensors
-only.
+only. It also waits for the last step of gloo's release that needs Python: while a tensor has an owner
+besides its Python object, the tensor holds a reference to that object (torch's PyObject
+preservation), and the owner that brings the count back to one drops it, under the GIL. gloo's
+thread then waits for the GIL, so the counts read "released" before it has; had the graph dropped the
+tensor in between, gloo's thread freed it at the next GIL switch, later than planned (seen as an
+FSDP step that measured one gathered unit above its plan in a few steps in a thousand).
 
 >>> fw = release_after_waits(fw)                                    # doctest: +SKIP
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -35,6 +41,11 @@ RELEASE_TIMEOUT_S = 0.2
 def _refs(t: torch.Tensor) -> tuple[int, int]:
     """References to a tensor and to its storage (a work object may hold either)."""
     return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _python_refs(tensors) -> list[int]:
+    """Python's reference counts of ``tensors`` (each read the same way, so two reads compare)."""
+    return [sys.getrefcount(t) for t in tensors]
 
 
 #: The references a collective's fresh result has once its work has let go, right after its wait (no
@@ -65,8 +76,14 @@ def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: tor
     """
     if any(t.device.type != "cpu" for t in tensors):
         return
+    # a tensor the graph alone owned before (a count of one) that the work holds now: its Python object
+    # carries one reference more until the work's last release has run under the GIL (the counts are
+    # read first: the work may bring them down at any time, but that reference only under the GIL)
+    lent = [cs[0] == 1 and t._use_count() > 1 for t, cs in zip(tensors, counts, strict=True)]
+    settled = [p - 1 if held else p for p, held in zip(_python_refs(tensors), lent)]
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
-    while any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs)):
+    while (any(r > c for t, cs in zip(tensors, counts, strict=True) for r, c in zip(_refs(t), cs))
+           or any(p > s for p, s in zip(_python_refs(tensors), settled))):
         if time.monotonic() > deadline:
             warnings.warn(f"a collective's tensor was still held {RELEASE_TIMEOUT_S} s after its wait; "
                           "the step may peak above the plan by that tensor's size", RuntimeWarning,

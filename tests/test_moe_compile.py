@@ -552,6 +552,38 @@ def test_release_waits_until_the_work_lets_go_of_a_collective_tensor(kind):
     assert keep is not None and any("still held" in str(w.message) for w in caught)
 
 
+def test_release_waits_for_the_python_reference_the_work_drops_last():
+    """While anything besides its Python object owns a tensor, torch keeps a reference from the tensor
+    to that object, dropped under the GIL by the owner whose release brings the count back to one.
+    gloo's thread takes the GIL for it after its counts are back; had the release returned then, a
+    graph dropping the tensor at once left gloo's thread to free it later than planned. Here another
+    thread drops a C++ owner (the autograd node that saved the tensor) while keeping one Python
+    reference in its place for 20 ms: the release returns only after that reference goes."""
+    import threading
+    import time
+
+    from remat_compiler import collectives
+
+    x = torch.zeros(1024)  # a collective's fresh result, the graph's one reference
+    counts = collectives.use_counts(results=1)
+    weight = torch.ones(1024, requires_grad=True)
+    work = {"owner": weight * x, "python": None, "dropped": False}  # the product's node saves x
+    assert x._use_count() == 2
+
+    def release_later():
+        time.sleep(0.01)
+        work["python"], work["owner"] = x, None  # the count is back at one, a Python reference stays
+        time.sleep(0.02)
+        work["dropped"], work["python"] = True, None
+
+    t = threading.Thread(target=release_later)
+    t.start()
+    collectives.release_collective_inputs(counts, x)
+    dropped = work["dropped"]
+    t.join()
+    assert dropped
+
+
 def test_the_release_operators_wait_for_the_work_and_only_for_it():
     """The operator form (what Inductor's code calls): counts taken inside one operator compare with
     counts taken inside the other, so a release whose tensors nothing else holds returns at once,
