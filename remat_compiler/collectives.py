@@ -130,6 +130,10 @@ def release_after_waits(gm: fx.GraphModule) -> fx.GraphModule:
 # grad mode): counts taken inside one compare with counts taken inside the other. The counts travel as
 # an int64 tensor, first in the release's list; made by the first operator and held by one variable,
 # it is also the measure of a fresh result (FRESH_RESULT's one tensor reference, plus the call's).
+# The Python reference gloo's thread drops last (module docstring) is not waited for in this form:
+# during the call each tensor has the call's references besides its Python object, so gloo's thread
+# never brings a count back to one then; where it did so just before the call, the release cannot
+# tell (not seen in the Inductor rows, whose allocator peaks equal the walk).
 @torch.library.custom_op("remat::collective_refs", mutates_args=("tensors",))
 def _collective_refs(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(use_counts(*tensors), dtype=torch.int64).reshape(len(tensors), 2)
