@@ -29,10 +29,10 @@ from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
 __all__ = ["make_chain", "make_llama", "run_rank", "STEPS", "MP", "CPSAT"]
 
 STEPS = 5
-#: Steps measured by the allocator after training: a few, since in some steps on 2 shared cores the
-#: allocator's events never show the free of one gathered unit (the collective's result; a few KiB
-#: here), so it counts as live to the end of the step (see docs/measuring-memory.md). None measures
-#: below the prediction since AllocatorPeak matches frees by address (once 5,476 bytes below before).
+#: Steps measured by the allocator after training; the least must be the prediction. A few: a tensor
+#: freed on gloo's thread has no free in the profiler's events and counts as live to the end of the
+#: step; the eager release waits for gloo's last reference (4878816), the operator form Inductor runs
+#: cannot always tell (remat_compiler.collectives).
 ALLOCATOR_STEPS = 3
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CPSAT = dict(time_limit_s=5, num_workers=1)

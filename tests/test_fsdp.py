@@ -49,8 +49,7 @@ def _assert_plan_on_ranks(ranks, key: str) -> None:
     """The same plan on every rank (rank 0's, broadcast); on every rank each step after the first
     (which traces and plans) measures exactly the predicted peak, within the budget, and so does the
     allocator in the least of the steps it measures (fsdp.gather writes gloo's buffers as graph
-    values; in some steps the allocator never sees one gathered unit freed, see
-    fsdp_worker.ALLOCATOR_STEPS)."""
+    values; see fsdp_worker.ALLOCATOR_STEPS)."""
     first = ranks[0][key]["plan"]
     for r, res in enumerate(ranks):
         plan, peaks = res[key]["plan"], res[key]["compiled"]["peaks"]
