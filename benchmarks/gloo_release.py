@@ -84,8 +84,11 @@ def main(argv=None) -> None:
     try:
         ctx = mp.get_context("spawn")
         out = ctx.SimpleQueue()
-        mp.start_processes(_rank, args=(2, _free_port(), opts.steps, out), nprocs=2, start_method="spawn")
-        rows = sorted(out.get() for _ in range(2))
+        ranks = mp.start_processes(_rank, args=(2, _free_port(), opts.steps, out), nprocs=2, join=False,
+                                   start_method="spawn")
+        rows = sorted(out.get() for _ in range(2))  # read before the join: a full pipe would block the ranks
+        while not ranks.join():
+            pass
     finally:
         for s in spinners:
             s.terminate()

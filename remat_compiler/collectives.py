@@ -12,12 +12,14 @@ release) stay in the forward.
 
 The generated code spins: :func:`release_collective_inputs` busy-waits (``time.sleep(0)`` between
 polls of the reference counts) for at most :data:`RELEASE_TIMEOUT_S` after each wait, on CPU tensors
-only. It also waits for the last step of gloo's release that needs Python: while a tensor has an owner
-besides its Python object, the tensor holds a reference to that object (torch's PyObject
-preservation), and the owner that brings the count back to one drops it, under the GIL. gloo's
-thread then waits for the GIL, so the counts read "released" before it has; had the graph dropped the
-tensor in between, gloo's thread freed it at the next GIL switch, later than planned (seen as an
-FSDP step that measured one gathered unit above its plan in a few steps in a thousand).
+only. Where the work still holds a tensor as the release starts, it also waits for the last step of
+gloo's release that needs Python: while a tensor has an owner besides its Python object, the tensor
+holds a reference to that object (torch's PyObject preservation), and the owner that brings the
+count back to one drops it, under the GIL. gloo's thread then waits for the GIL, so the counts read
+"released" before it has; had the graph dropped the tensor in between, gloo's thread freed it at the
+next GIL switch, later than planned (seen as an FSDP step that measured one gathered unit above its
+plan in a few steps in a thousand: ``python -m benchmarks.gloo_release``). Where gloo's thread has
+brought the count back to one before the release starts, the release cannot tell and returns.
 
 >>> fw = release_after_waits(fw)                                    # doctest: +SKIP
 """
@@ -78,7 +80,9 @@ def release_collective_inputs(counts: tuple[tuple[int, int], ...], *tensors: tor
         return
     # a tensor the graph alone owned before (a count of one) that the work holds now: its Python object
     # carries one reference more until the work's last release has run under the GIL (the counts are
-    # read first: the work may bring them down at any time, but that reference only under the GIL)
+    # read first: the work may bring them down at any time, but that reference only under the GIL; a
+    # switch of the GIL between the two reads, this thread descheduled for the switch interval, makes
+    # the spin wait for a reference already dropped: it warns after RELEASE_TIMEOUT_S)
     lent = [cs[0] == 1 and t._use_count() > 1 for t, cs in zip(tensors, counts, strict=True)]
     settled = [p - 1 if held else p for p, held in zip(_python_refs(tensors), lent)]
     deadline = time.monotonic() + RELEASE_TIMEOUT_S

@@ -31,8 +31,9 @@ __all__ = ["make_chain", "make_llama", "run_rank", "STEPS", "MP", "CPSAT"]
 STEPS = 5
 #: Steps measured by the allocator after training; the least must be the prediction. A few: a tensor
 #: freed on gloo's thread has no free in the profiler's events and counts as live to the end of the
-#: step; the eager release waits for gloo's last reference (4878816), the operator form Inductor runs
-#: cannot always tell (remat_compiler.collectives).
+#: step; the eager release waits for gloo's last reference where the work holds the tensor as it
+#: starts (4878816), and cannot tell otherwise, nor can the operator form Inductor runs
+#: (remat_compiler.collectives).
 ALLOCATOR_STEPS = 3
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CPSAT = dict(time_limit_s=5, num_workers=1)

@@ -51,7 +51,7 @@ def test_a_block_that_frees_what_an_earlier_block_allocated_counts_from_its_own_
     assert second.peak_bytes == 2 * x.nbytes
     assert z.shape == x.shape
     # freed after the block's first allocation: the profiler's allocation_id is None on torch 2.13,
-    # so a free matched by id counted here: this block measured one product less (263,168 bytes)
+    # so a free matched by id counted here: this block measured 263,168 bytes, one product (262,144) short
     with AllocatorPeak():
         y = x @ x
     with AllocatorPeak() as third:
