@@ -326,7 +326,7 @@ class AllocatorPeak:
                 mine.add(address)
                 self.allocations += 1
             elif address in mine:
-                mine.discard(address)
+                mine.remove(address)
             else:
                 continue
             live += nbytes

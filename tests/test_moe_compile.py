@@ -510,18 +510,25 @@ def test_mixtral_plans_match_eager():
         run("cpsat", budget)
 
 
-def _waits_for_the_work(release, tensor: torch.Tensor) -> bool:
-    """Hold a view of ``tensor`` (a reference, as gloo's work object holds one) and drop it from another
-    thread 20 ms later: whether ``release()`` returned only after the drop."""
+def _waits_for_the_work(release, tensor: torch.Tensor, owner: list | None = None) -> bool:
+    """Hold a view of ``tensor`` (a reference, as gloo's work object holds one), or the one object in
+    ``owner`` (a C++ owner of the tensor itself), and drop it from another thread 50 ms later:
+    whether ``release()`` returned only after the drop. With ``owner``, a Python reference to the
+    tensor takes the owner's place and is dropped 50 ms later still (gloo's thread's last step,
+    under the GIL), and the question is whether release returned only after that."""
     import threading
     import time
 
-    work = {"view": tensor.view(-1), "dropped": False}
+    hand_over = owner is not None
+    work = {"held": owner.pop() if hand_over else tensor.view(-1), "python": None, "dropped": False}
 
     def drop_later():
-        time.sleep(0.02)
+        time.sleep(0.05)
+        if hand_over:  # the count is back at one, a Python reference stays
+            work["python"], work["held"] = tensor, None
+            time.sleep(0.05)
         work["dropped"] = True
-        work["view"] = None
+        work["held"] = work["python"] = None
 
     t = threading.Thread(target=drop_later)
     t.start()
@@ -561,32 +568,17 @@ def test_release_waits_for_the_python_reference_the_work_drops_last():
     thread drops a C++ owner (the autograd node that saved the tensor) while keeping one Python
     reference in its place for 50 ms: the release returns only after that reference goes, and
     without the 'still held' warning (it did not wait out its time limit instead)."""
-    import threading
-    import time
     import warnings
 
     from remat_compiler import collectives
 
     x = torch.zeros(1024)  # a collective's fresh result, the graph's one reference
     counts = collectives.use_counts(results=1)
-    weight = torch.ones(1024, requires_grad=True)
-    work = {"owner": weight * x, "python": None, "dropped": False}  # the product's node saves x
+    owner = [torch.ones(1024, requires_grad=True) * x]  # the product's autograd node saves x
     assert x._use_count() == 2
-
-    def release_later():
-        time.sleep(0.05)
-        work["python"], work["owner"] = x, None  # the count is back at one, a Python reference stays
-        time.sleep(0.05)
-        work["dropped"], work["python"] = True, None
-
-    t = threading.Thread(target=release_later)
-    t.start()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a 'still held' warning fails the test
-        collectives.release_collective_inputs(counts, x)
-    dropped = work["dropped"]
-    t.join()
-    assert dropped
+        assert _waits_for_the_work(lambda: collectives.release_collective_inputs(counts, x), x, owner)
 
 
 def test_the_release_operators_wait_for_the_work_and_only_for_it():
