@@ -3,10 +3,12 @@
 
 ::
 
-    python -m benchmarks.link_rate            # a table: bytes gathered, ms per all-gather, GB/s
+    python -m benchmarks.link_rate            # a table: bytes gathered, bytes a rank sends, ms, GB/s sent
 
 Two processes (one torch thread each, as the FSDP2 benchmark's ranks run) all-gather a flat buffer
 of each size with ``all_gather_into_tensor``, 5 times unmeasured, then 40 times timed on rank 0.
+The rate is of the bytes a rank sends (its shard to the other rank: half the gathered bytes), the
+unit the cost model charges a collective in (:func:`passes.costs.sent_bytes`).
 """
 from __future__ import annotations
 
@@ -49,10 +51,11 @@ def main(argv=None) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_rank, args=(2, _free_port(), SIZES, opts.rounds, out), nprocs=2, start_method="spawn")
-    print("| bytes gathered | ms per all-gather | GB/s |\n|---|---|---|")
+    print("| bytes gathered | bytes a rank sends | ms per all-gather | GB/s sent |\n|---|---|---|---|")
     for _ in SIZES:
         nbytes, seconds = out.get()
-        print(f"| {nbytes:,} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.2f} |")
+        sent = nbytes // 2  # 2 ranks: each sends its shard
+        print(f"| {nbytes:,} | {sent:,} | {seconds * 1e3:.2f} | {sent / seconds / 1e9:.2f} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,12 @@ Writes on every call_function node:
 
 - ``remat.flops``: FLOPs from ``torch.utils.flop_counter``'s registry (matmul, convolution, attention;
   0 for ops it does not count);
-- ``remat.comm_bytes``: bytes a collective moves over the link (0 for other ops);
+- ``remat.comm_bytes``: the bytes a rank sends over the link for a collective (0 for other ops), as the
+  usual ring and pairwise algorithms send them (:func:`sent_bytes`): an all-gather ``(w - 1)`` times its
+  input, a reduce-scatter and an all-to-all ``(w - 1) / w`` of theirs, an all-reduce twice that, on a
+  group of ``w`` ranks. So a re-gather is charged what crosses the link whether it is written as
+  an all-gather or (on gloo) as an all-to-all of the repeated shards, and
+  ``CostModel.link_bytes_per_s`` is a rate of bytes a rank sends;
 - ``remat.runtime_s``: a roofline estimate, ``max(flops / compute rate, bytes read and written /
   memory bandwidth) + comm_bytes / link bandwidth``; views and aliases cost 0;
 - ``remat.never_recompute`` and ``remat.reason``: random ops (their RNG state is not replayed; dropout's
@@ -38,22 +43,24 @@ from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_I
 from remat_compiler.passes.rng import is_rng_state
 
 __all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread",
-           "grouped_mm_flops", "grouped_mm_backward_flops"]
+           "grouped_mm_flops", "grouped_mm_backward_flops", "sent_bytes"]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, and the 1 GB/s a collective
-    gets between gloo ranks on it: ``python -m benchmarks.link_rate`` measured 0.6 to 1.7 GB/s for
-    1.6 to 6 MB all-gathers; at the 25 GB/s assumed before, re-gathering every FSDP2 unit looked free
-    and the sharded GPT-2 step at checkpointing's peak ran 1.18 of that peer's, against 0.88 at 1 GB/s).
+    """Rates for the roofline runtime estimate (defaults: a 2-core CPU, and the 0.5 GB/s a rank sends
+    at between gloo ranks on it: ``python -m benchmarks.link_rate`` measured 0.43 to 0.73 GB/s sent
+    in 0.8 to 3 MB all-gathers on 2 ranks, 1.6 to 6 MB gathered; at a rate 25 times that, re-gathering
+    every FSDP2 unit looked free and the sharded GPT-2 step at checkpointing's peak ran 1.18 of that
+    peer's, against 0.88 at this one).
 
     :meth:`preset` gives the rates of a named accelerator (:data:`DEVICE_PRESETS`).
 
     Attributes
     ----------
     compute_flops_per_s, memory_bytes_per_s, link_bytes_per_s : float
-        Dense compute rate, memory bandwidth, and the bandwidth a collective gets.
+        Dense compute rate, memory bandwidth, and the bytes per second a rank sends in a collective
+        (what :func:`sent_bytes` charges).
     memory_capacity_bytes : int or None
         The device's memory, for reports (None: unknown).
     name : str
@@ -71,7 +78,7 @@ class CostModel:
 
     compute_flops_per_s: float = 1.0e11
     memory_bytes_per_s: float = 2.0e10
-    link_bytes_per_s: float = 1.0e9
+    link_bytes_per_s: float = 5.0e8
     memory_capacity_bytes: int | None = None
     name: str = "cpu"
     device: str = "cpu"
@@ -112,6 +119,54 @@ def _tensor_bytes(x) -> int:
     if isinstance(x, torch.Tensor):
         return int(x.numel() * x.element_size())
     return 0
+
+
+def _group_size(node: fx.Node, schema) -> int | None:
+    """The number of ranks a collective runs over: its ``group_size`` argument, or the size of the
+    process group its ``group_name`` names (None where no such group exists in this process)."""
+    values = dict(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    if isinstance(values.get("group_size"), int):
+        return values["group_size"]
+    name = values.get("group_name")
+    if name is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(name).size()
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def sent_bytes(node: fx.Node) -> int:
+    """The bytes one rank sends over the link for the collective ``node``, on a group of ``w`` ranks
+    and with ``b`` the bytes of its data inputs (split sizes and the like left out): an all-gather
+    sends its shard to the ``w - 1`` others, ``(w - 1) * b`` (ring); a reduce-scatter ``(w - 1) / w * b``
+    (ring); an all-reduce twice that (a reduce-scatter, then an all-gather of the reduced piece); an
+    all-to-all every row but its own, ``(w - 1) / w * b``. Other collectives (a broadcast), and any
+    whose group this process does not know, are charged ``b``.
+
+    On 2 ranks an all-to-all of the repeated shards (the all-gather as gloo runs it,
+    :mod:`remat_compiler.fsdp.gather`) sends ``b / 2``, the shard: what an all-gather of it sends.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return sum(_tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    data = 0
+    for arg, value in zip(schema.arguments, node.args):
+        if "split" not in arg.name:
+            data += sum(_tensor_bytes(v.meta.get("val")) for v in pytree.tree_leaves(value)
+                        if isinstance(v, fx.Node))
+    name = schema.name.split("::")[-1]
+    world = _group_size(node, schema)
+    if world is None or not any(name.startswith(k) for k in ("all_gather", "reduce_scatter", "all_reduce",
+                                                             "all_to_all")):
+        return data
+    if world <= 1:
+        return 0
+    if name.startswith("all_gather"):
+        return data * (world - 1)
+    share = data * (world - 1) // world
+    return 2 * share if name.startswith("all_reduce") else share
 
 
 def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
@@ -223,7 +278,7 @@ def annotate_costs(gm: fx.GraphModule, cost_model: CostModel) -> fx.GraphModule:
         flops = _flops(n)
         comm = 0
         if is_collective(n):
-            comm = sum(_tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+            comm = sent_bytes(n)
         if is_alias or is_getitem:
             runtime = 0.0
         else:

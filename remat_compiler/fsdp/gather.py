@@ -27,8 +27,9 @@ gloo's all-to-all allocated nothing but its result in a probe on 2 ranks (one al
 result's bytes), and the emitted code holds both buffers until gloo's thread has let go of them
 (:mod:`remat_compiler.collectives`). The rows are summed in rank
 order; on 2 ranks that is the sum gloo's all-reduce makes, bit for bit. The cost model charges a
-collective its input's bytes, so an all-to-all here is charged ``world / (world - 1)`` times what
-crosses the link (all of the repeated shards, of which the rank's own row stays).
+collective the bytes a rank sends (:func:`remat_compiler.passes.costs.sent_bytes`): the all-to-all of
+the repeated shards ``(world - 1) / world`` of them, ``(world - 1)`` shards, what a ring all-gather
+sends; the gradient's all-to-all what a ring reduce-scatter sends.
 
 A step planned over a fake group (:mod:`remat_compiler.fsdp.planning`) is written as the backend
 of the device it is planned for runs it: gloo's on the CPU, the plain collectives on an accelerator.
