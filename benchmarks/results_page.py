@@ -336,7 +336,10 @@ def _fsdp_section(data_dir: str) -> list[str]:
             "matmuls counted as the planner counts them: see docs/fsdp.md)\nand bytes are exact. Recomputed "
             "FLOPs: a peer's counted FLOPs less FSDP2 eager's; the `torch.compile` peer's counted on a\ntwin "
             "that plans as Inductor does and runs the graphs op by op (`fsdp_peers._recomputed_by_peer`); "
-            "ours, the plan's count.", "",
+            "ours, the plan's count. Re-gathered bytes: what a rank sends (`passes.costs.sent_bytes`) in "
+            "runs of commit 05678c2 on;\nfiles made before it hold the gather's input, the gathered size, "
+            "twice what a rank sends on 2 ranks (the plans are\nthe same: on 2 ranks each charge in seconds "
+            "is).", "",
             fsdp_peers.format_table(doc["rows"]), *_fsdp_inductor_rows(data_dir)]
 
 
