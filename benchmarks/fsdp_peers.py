@@ -154,6 +154,25 @@ def _model(peer: str, workload: str = "llama", compile_backend="inductor"):
     return model
 
 
+def peer_regather_bytes(model, peer: str) -> int:
+    """The bytes one rank sends in a step to all-gather again in backward what FSDP2 freed after
+    forward: under ``reshard_after_forward=True`` every unit but the root (FSDP2 keeps the root's
+    parameters gathered: backward needs them at once), ``world - 1`` of its padded shards in the
+    gather's dtype, as :func:`passes.costs.sent_bytes` charges our re-gathers; 0 under False."""
+    from remat_compiler.fsdp.units import fsdp_units
+
+    if peer == PEERS[1]:
+        return 0
+    total = 0
+    for unit in fsdp_units(model):
+        if unit.path == "" or unit.group is None:
+            continue
+        for up in unit.params:
+            size = torch.empty((), dtype=unit.param_dtype or up.fsdp_param._sharded_param_data.dtype).element_size()
+            total += (unit.world - 1) * up.padded_numel * size
+    return total
+
+
 def _step(model, ids):
     def step():
         loss = model(ids, labels=ids).loss
@@ -346,6 +365,7 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     except Exception as exc:  # noqa: BLE001 - a peer that does not compose is a row saying so
         return {"workload": workload, "peer": peer, "rank": rank, "error": f"{type(exc).__name__}: {exc}"[:300]}
     graphs = counters["stats"].get("unique_graphs", 0)
+    peer_regather = peer_regather_bytes(model, peer)
     budget = int(os.environ.get("FSDP_PEERS_BUDGET") or 0) or _min_over_ranks(peak)
     peer_flops = None if peer == PEERS[3] else _flops(step)
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,
@@ -377,13 +397,14 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
             "backend": backend, "objective": objective,
             "plan_flops": plan.baseline_flops + plan.recompute_flops,
             "recompute_flops": plan.recompute_flops, "regather_bytes": plan.recompute_comm_bytes,
+            "peer_regather_bytes": peer_regather,
             "units": {u["unit"]: u["choice"] for u in plan.extras.get("fsdp_units", [])}}
 
 
 def format_table(rows: list[dict]) -> str:
     """The Markdown table of both ranks' rows."""
     lines = ["| workload | peer (FSDP2) | rank | peer's peak | budget (least over ranks) | remat_compiler predicted "
-             "| measured | FLOPs, peer / ours | recomputed FLOPs, peer / ours | re-gathered bytes (ours) | step time, ours / peer "
+             "| measured | FLOPs, peer / ours | recomputed FLOPs, peer / ours | bytes re-gathered, peer / ours | step time, ours / peer "
              "| units kept / re-gathered |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -396,8 +417,10 @@ def format_table(rows: list[dict]) -> str:
         recomputed = (f"{r['peer_recompute_flops'] / 1e9:.3f} G" if r.get("peer_recompute_flops") is not None
                       else "not counted") + f" / {r['recompute_flops'] / 1e9:.3f} G"
         peer = r["peer"] + (f" ({r['peer_graphs']} graphs compiled)" if r.get("peer_graphs") else "")
+        regathered = (f"{r['peer_regather_bytes']:,}" if r.get("peer_regather_bytes") is not None else "-") + \
+            f" / {r['regather_bytes']:,}"
         lines.append(f"| {r['workload']} | {peer} | {r['rank']} | {r['peer_peak']:,} | {r['budget']:,} | "
-                     f"{r['predicted']:,} | {r['measured']:,} | {flops} | {recomputed} | {r['regather_bytes']:,} | "
+                     f"{r['predicted']:,} | {r['measured']:,} | {flops} | {recomputed} | {regathered} | "
                      f"{r['compiled_step_s'] / r['peer_step_s']:.2f} | {kept} / {len(r['units']) - kept} |")
     return "\n".join(lines)
 
