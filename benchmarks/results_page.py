@@ -289,7 +289,8 @@ def _moe_section(data_dir: str) -> list[str]:
     return ["## MoE: the combine chosen per segment", "",
             f"Command: `{_command_in(moe)}`; code: commit 81961ca. The moe1 stack (4 `MoELayer`s, one "
             "process, float32). The A2A column plans\nthe same budgets on a fake 2-rank group, where the "
-            "choice is not made. Budget \"fast - y\" is moe_fast's\nmeasured peak less every layer's y "
+            "choice is not made; its bytes are the all-to-alls' inputs (made before 05678c2, which charges\n"
+            "the bytes a rank sends: half of these on 2 ranks, the same charge in seconds). Budget \"fast - y\" is moe_fast's\nmeasured peak less every layer's y "
             "(4 × 2 MiB): moe_fast cannot reach it without recomputing a GEMM; the\ndefault `cpsat` reaches "
             "it with no FLOPs recomputed, fusing three of the four layers.", "", _tables_and_bullets(moe)]
 

@@ -236,21 +236,24 @@ def test_keep_freed_memory_stops_the_page_faults_rss_env_adds_to_every_step():
 def test_fsdp_peers_table_gives_each_ratio_and_says_which_peer_does_not_run():
     """The sharded peers' table: FLOPs of both (or "not counted" where the flop counter cannot see the
     peer's kernels), what each recomputes, the step-time ratio ours / peer, the units kept and
-    re-gathered; a peer that failed is a row saying so, not a missing row."""
+    re-gathered and the bytes each re-gathers ("-" for the peer in files made before it was recorded);
+    a peer that failed is a row saying so, not a missing row."""
     from benchmarks.fsdp_peers import PEERS, format_table
 
     row = {"workload": "gpt2", "peer": PEERS[0], "rank": 0, "peer_peak": 2_000_000, "budget": 2_000_100,
            "predicted": 1_900_000, "measured": 1_900_000, "peer_flops": 3.0e9, "compiled_flops": 2.5e9,
-           "regather_bytes": 4096, "peer_step_s": 0.2, "compiled_step_s": 0.19,
+           "regather_bytes": 4096, "peer_regather_bytes": 8192, "peer_step_s": 0.2, "compiled_step_s": 0.19,
            "peer_recompute_flops": 1.0e9, "recompute_flops": 0.5e9,
            "units": {"(root)": "kept", "transformer.h.0": "re-gathered"}}
     compiled_peer = {**row, "peer": PEERS[3], "peer_flops": None, "peer_recompute_flops": None}
     failed = {"workload": "mixtral", "peer": PEERS[3], "rank": 1, "error": "Unsupported: data-dependent op"}
-    lines = format_table([row, compiled_peer, failed]).splitlines()
-    assert len(lines) == 5
-    assert "| 3.000 G / 2.500 G | 1.000 G / 0.500 G | 4,096 | 0.95 | 1 / 1 |" in lines[2]
+    older = {k: v for k, v in row.items() if k != "peer_regather_bytes"}
+    lines = format_table([row, compiled_peer, failed, older]).splitlines()
+    assert len(lines) == 6
+    assert "| 3.000 G / 2.500 G | 1.000 G / 0.500 G | 8,192 / 4,096 | 0.95 | 1 / 1 |" in lines[2]
     assert "| not counted / 2.500 G | not counted / 0.500 G |" in lines[3]
     assert "does not run: Unsupported: data-dependent op" in lines[4] and lines[4].count("|") == lines[0].count("|")
+    assert "| 1.000 G / 0.500 G | - / 4,096 |" in lines[5]
 
 
 def test_real_sizes_names_an_infeasible_budget_and_the_floor_found():
@@ -265,3 +268,28 @@ def test_real_sizes_names_an_infeasible_budget_and_the_floor_found():
     (row,) = format_markdown([doc]).splitlines()[2:]
     assert "0.3 of no-recompute: 82.00 | infeasible: the smallest plan found is 130.00 (not proven)" in row
     assert row.count("|") == 13  # the table's 12 columns
+
+
+def test_fsdp_peers_counts_what_fsdp2_gathers_again():
+    """FSDP2 under reshard_after_forward=True all-gathers every unit but the root again in backward:
+    a rank sends its padded shard to each other rank; under False nothing is gathered again."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks.fsdp_peers import PEERS, peer_regather_bytes
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        sent = {}
+        for peer, reshard in ((PEERS[0], True), (PEERS[1], False)):
+            model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 3), nn.Linear(3, 2))
+            for block in model[:2]:
+                fully_shard(block, reshard_after_forward=reshard)
+            fully_shard(model, reshard_after_forward=reshard)  # the root holds the last Linear
+            sent[peer] = peer_regather_bytes(model, peer)
+    finally:
+        dist.destroy_process_group()
+    # padded shards on 4 ranks: weight rows ceil(10/4)=3 x 6 and bias 3; weight rows 1 x 10 and bias 1
+    assert sent == {PEERS[0]: 3 * 4 * ((3 * 6 + 3) + (1 * 10 + 1)), PEERS[1]: 0}
