@@ -11,7 +11,8 @@ loss inside via labels, each rank its own token ids):
 
 Peers, each run by FSDP2:
 
-- ``reshard_after_forward=True`` (FSDP2's default): every block gathered again in backward;
+- ``reshard_after_forward=True`` on every unit, the root included (FSDP2's default, None, keeps the
+  root gathered): every unit gathered again in backward;
 - ``reshard_after_forward=False``: every block kept gathered from forward to backward;
 - ``True`` + activation checkpointing of every block (transformers' ``gradient_checkpointing_enable``);
 - ``True`` + ``torch.compile`` of every block (torchtitan's way) with
@@ -23,8 +24,8 @@ storage resizes, kernels' temporaries and what gloo allocates inside a collectiv
 measures the eager rows with :class:`ResizeAwareTracker` instead, the step's own ops only), the
 smaller rank's taken (every rank runs the same plan, and ours must peak at or below each rank's
 peer). Then ``remat_compiler.compile`` of the same sharded model under that peak as its budget: predicted and
-measured peak per rank, recomputed FLOPs, bytes re-gathered (per rank, the gathers' inputs sent
-again: on gloo the all-to-alls' repeated shards, :mod:`remat_compiler.fsdp.gather`). Step times are
+measured peak per rank, recomputed FLOPs, bytes re-gathered (what a rank sends again, the peer's
+and ours: :func:`peer_regather_bytes`, :func:`passes.costs.sent_bytes`). Step times are
 the medians of the rounds, peer and compiled interleaved in one process per rank (CPU times on 2
 shared cores); FLOPs and bytes are exact: both steps' FLOPs are counted by
 ``torch.utils.flop_counter`` as they run (the plan's own count is saved beside as ``plan_flops``).
@@ -70,7 +71,8 @@ import torch.distributed as dist
 
 from remat_compiler.memory import LiveStorageTracker
 
-__all__ = ["ResizeAwareTracker", "run_rank", "main", "recomputed_by_compile", "walked_peaks", "WORKLOADS", "PEERS"]
+__all__ = ["ResizeAwareTracker", "run_rank", "main", "recomputed_by_compile", "walked_peaks", "peer_regather_bytes",
+           "WORKLOADS", "PEERS"]
 
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4)
@@ -154,22 +156,31 @@ def _model(peer: str, workload: str = "llama", compile_backend="inductor"):
     return model
 
 
-def peer_regather_bytes(model, peer: str) -> int:
+def peer_regather_bytes(model) -> int:
     """The bytes one rank sends in a step to all-gather again in backward what FSDP2 freed after
-    forward: under ``reshard_after_forward=True`` every unit but the root (FSDP2 keeps the root's
-    parameters gathered: backward needs them at once), ``world - 1`` of its padded shards in the
-    gather's dtype, as :func:`passes.costs.sent_bytes` charges our re-gathers; 0 under False."""
+    forward: ``world - 1`` padded shards of every unit that reshards after forward, in the gather's
+    dtype, as :func:`passes.costs.sent_bytes` charges our re-gathers.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        An FSDP2 model after its first forward (FSDP2 decides the root's resharding then:
+        ``reshard_after_forward=None``, its default, keeps the root gathered; ``True`` reshards it too).
+
+    Returns
+    -------
+    int
+        0 where no unit reshards (``reshard_after_forward=False``).
+    """
     from remat_compiler.fsdp.units import fsdp_units
 
-    if peer == PEERS[1]:
-        return 0
     total = 0
     for unit in fsdp_units(model):
-        if unit.path == "" or unit.group is None:
+        if unit.group is None or unit.group.post_forward_mesh_info is None:
             continue
+        dtype = unit.param_dtype
         for up in unit.params:
-            size = torch.empty((), dtype=unit.param_dtype or up.fsdp_param._sharded_param_data.dtype).element_size()
-            total += (unit.world - 1) * up.padded_numel * size
+            total += (unit.world - 1) * up.padded_numel * (dtype or up.fsdp_param._sharded_param_data.dtype).itemsize
     return total
 
 
@@ -365,7 +376,7 @@ def _compare(remat_compiler, workload: str, peer: str, rank: int, ids, backend: 
     except Exception as exc:  # noqa: BLE001 - a peer that does not compose is a row saying so
         return {"workload": workload, "peer": peer, "rank": rank, "error": f"{type(exc).__name__}: {exc}"[:300]}
     graphs = counters["stats"].get("unique_graphs", 0)
-    peer_regather = peer_regather_bytes(model, peer)
+    peer_regather = peer_regather_bytes(model)
     budget = int(os.environ.get("FSDP_PEERS_BUDGET") or 0) or _min_over_ranks(peak)
     peer_flops = None if peer == PEERS[3] else _flops(step)
     cm = remat_compiler.compile(_model(PEERS[0], workload), memory_budget=budget, hold_outputs=False,

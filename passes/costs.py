@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,8 @@ from remat_compiler.passes.keys import (COMM_BYTES, COST_MODEL, FLOPS, MUTATED_I
 from remat_compiler.passes.rng import is_rng_state
 
 __all__ = ["CostModel", "DEVICE_PRESETS", "annotate_costs", "is_training_batch_norm", "recompute_unread",
-           "grouped_mm_flops", "grouped_mm_backward_flops", "sent_bytes"]
+           "grouped_mm_flops", "grouped_mm_backward_flops", "sent_bytes", "COSTING_VERSION",
+           "UnknownGroupWarning"]
 
 
 @dataclass(frozen=True)
@@ -121,11 +123,28 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
-def _group_size(node: fx.Node, schema) -> int | None:
-    """The number of ranks a collective runs over: its ``group_size`` argument, or the size of the
-    process group its ``group_name`` names (None where no such group exists in this process)."""
+#: How nodes are costed, in a plan cache's key (:mod:`remat_compiler.plan_cache`): raised when a change
+#: here changes a plan made from the same graph, rates and options, so that plans cached before it
+#: are not served. 2: a collective charged the bytes a rank sends (:func:`sent_bytes`), not its input's.
+COSTING_VERSION = 2
+
+_COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+class UnknownGroupWarning(UserWarning):
+    """A collective's process group is not in this process: it is charged its input's bytes."""
+
+
+def _bound_args(node: fx.Node, schema) -> dict:
+    """The node's arguments by their schema names, positional and keyword alike."""
     values = dict(zip((a.name for a in schema.arguments), node.args))
     values.update(node.kwargs)
+    return values
+
+
+def _group_size(values: dict) -> int | None:
+    """The number of ranks a collective runs over: its ``group_size`` argument, or the size of the
+    process group its ``group_name`` names (None where no such group exists in this process)."""
     if isinstance(values.get("group_size"), int):
         return values["group_size"]
     name = values.get("group_name")
@@ -138,28 +157,50 @@ def _group_size(node: fx.Node, schema) -> int | None:
 
 
 def sent_bytes(node: fx.Node) -> int:
-    """The bytes one rank sends over the link for the collective ``node``, on a group of ``w`` ranks
-    and with ``b`` the bytes of its data inputs (split sizes and the like left out): an all-gather
-    sends its shard to the ``w - 1`` others, ``(w - 1) * b`` (ring); a reduce-scatter ``(w - 1) / w * b``
-    (ring); an all-reduce twice that (a reduce-scatter, then an all-gather of the reduced piece); an
-    all-to-all every row but its own, ``(w - 1) / w * b``. Other collectives (a broadcast), and any
-    whose group this process does not know, are charged ``b``.
+    """The bytes one rank sends over the link for the collective ``node``.
 
+    On a group of ``w`` ranks, with ``b`` the bytes of its data inputs (split sizes and the ``out``
+    buffer left out), as the ring and pairwise algorithms send them: an all-gather sends its shard
+    to the ``w - 1`` others, ``(w - 1) * b``; a reduce-scatter ``(w - 1) / w * b``; an all-reduce
+    twice that (a reduce-scatter, then an all-gather of the reduced piece); an all-to-all every row
+    but its own, ``(w - 1) / w * b`` (its share on average, where the splits are uneven). Other
+    collectives (a broadcast) are charged ``b``, and so is one whose group this process does not
+    know, with an :class:`UnknownGroupWarning`.
+
+    Parameters
+    ----------
+    node : torch.fx.Node
+        A collective (:func:`remat_compiler.passes.c10d.is_collective`) whose inputs carry
+        ``meta["val"]``.
+
+    Returns
+    -------
+    int
+        Bytes sent by one rank.
+
+    Examples
+    --------
     On 2 ranks an all-to-all of the repeated shards (the all-gather as gloo runs it,
     :mod:`remat_compiler.fsdp.gather`) sends ``b / 2``, the shard: what an all-gather of it sends.
+
+    >>> sent_bytes(all_gather_node)   # a 4,000-byte shard on 4 ranks          # doctest: +SKIP
+    12000
     """
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return sum(_tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    data = 0
-    for arg, value in zip(schema.arguments, node.args):
-        if "split" not in arg.name:
-            data += sum(_tensor_bytes(v.meta.get("val")) for v in pytree.tree_leaves(value)
-                        if isinstance(v, fx.Node))
+    values = _bound_args(node, schema)
+    data = sum(_tensor_bytes(v.meta.get("val")) for k, value in values.items()
+               if "split" not in k and k != "out"
+               for v in pytree.tree_leaves(value) if isinstance(v, fx.Node))
     name = schema.name.split("::")[-1]
-    world = _group_size(node, schema)
-    if world is None or not any(name.startswith(k) for k in ("all_gather", "reduce_scatter", "all_reduce",
-                                                             "all_to_all")):
+    if not name.startswith(_COLLECTIVE_KINDS):
+        return data
+    world = _group_size(values)
+    if world is None:
+        warnings.warn(f"{node.name} ({schema.name}) runs over a process group this process does not know "
+                      f"({values.get('group_name')!r}): charged its input's {data:,} bytes, not what a rank "
+                      "sends; plan where the group exists", UnknownGroupWarning, stacklevel=2)
         return data
     if world <= 1:
         return 0

@@ -45,7 +45,7 @@ TUPLE = "remat.tuple"
 FLOPS = "remat.flops"
 #: Roofline runtime estimate of one run, in seconds                                   (passes.costs)
 RUNTIME_S = "remat.runtime_s"
-#: Bytes a collective moves over the link (0 for other ops)                           (passes.costs)
+#: Bytes one rank sends over the link for a collective (0 for other ops)            (passes.costs)
 COMM_BYTES = "remat.comm_bytes"
 #: True if the node must not be recomputed (random, mutating, side effects ...)       (passes.costs)
 NEVER_RECOMPUTE = "remat.never_recompute"

@@ -37,6 +37,7 @@ from typing import Mapping
 
 from remat_compiler.errors import PlanCheckError, PlanMismatchError
 from remat_compiler.passes.files import atomic_write_text
+from remat_compiler.passes.costs import COSTING_VERSION
 from remat_compiler.graph import CostGraph
 from remat_compiler.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION, Plan
 
@@ -88,6 +89,7 @@ def key_fields(cg: CostGraph, budget_bytes: int | None, cost_model, strategy, op
         "options": json.loads(json.dumps(opts, sort_keys=True, default=repr)),
         "plan_schema_version": PLAN_SCHEMA_VERSION,
         "cache_schema_version": CACHE_SCHEMA_VERSION,
+        "costing_version": COSTING_VERSION,  # plans cached under an older costing are not served
     }
 
 

@@ -271,25 +271,29 @@ def test_real_sizes_names_an_infeasible_budget_and_the_floor_found():
 
 
 def test_fsdp_peers_counts_what_fsdp2_gathers_again():
-    """FSDP2 under reshard_after_forward=True all-gathers every unit but the root again in backward:
-    a rank sends its padded shard to each other rank; under False nothing is gathered again."""
+    """FSDP2 all-gathers again in backward every unit that reshards after forward, a rank sending its
+    padded shard to each other rank: under reshard_after_forward=True the root too, under its
+    default (None) every unit but the root, under False none."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from benchmarks.fsdp_peers import PEERS, peer_regather_bytes
+    from benchmarks.fsdp_peers import peer_regather_bytes
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         sent = {}
-        for peer, reshard in ((PEERS[0], True), (PEERS[1], False)):
+        for reshard in (True, None, False):
             model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 3), nn.Linear(3, 2))
+            kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
             for block in model[:2]:
-                fully_shard(block, reshard_after_forward=reshard)
-            fully_shard(model, reshard_after_forward=reshard)  # the root holds the last Linear
-            sent[peer] = peer_regather_bytes(model, peer)
+                fully_shard(block, **kwargs)
+            fully_shard(model, **kwargs)  # the root holds the last Linear
+            model._get_fsdp_state()._lazy_init()  # as the first forward does: the root's setting is decided
+            sent[reshard] = peer_regather_bytes(model)
     finally:
         dist.destroy_process_group()
-    # padded shards on 4 ranks: weight rows ceil(10/4)=3 x 6 and bias 3; weight rows 1 x 10 and bias 1
-    assert sent == {PEERS[0]: 3 * 4 * ((3 * 6 + 3) + (1 * 10 + 1)), PEERS[1]: 0}
+    # padded shards on 4 ranks: weight rows ceil(10/4)=3 x 6 and bias 3; 1 x 10 and 1; 1 x 3 and 1
+    blocks = 3 * 4 * ((3 * 6 + 3) + (1 * 10 + 1))
+    assert sent == {True: blocks + 3 * 4 * (1 * 3 + 1), None: blocks, False: 0}

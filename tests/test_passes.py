@@ -150,26 +150,37 @@ def test_a_grouped_matmul_costs_what_the_loop_of_its_groups_matmuls_costs():
 def test_a_collective_is_charged_the_bytes_a_rank_sends():
     """On 4 ranks a ring all-gather sends 3 times its shard, a reduce-scatter and an all-to-all 3/4 of
     their input, an all-reduce twice that; the gloo gather (an all-to-all of the shard repeated 4
-    times) is charged what the all-gather of that shard is. A charge of the input's bytes would make
-    the all-gather 3 times too cheap and the all-to-all 4/3 too dear."""
+    times) is charged what the all-gather of that shard is, and the MoE layer's all-to-all with split
+    sizes 3/4 of its buffer (its split tensors are not data), an argument passed by keyword as one
+    passed in place. A charge of the input's bytes would make the all-gather 3 times too cheap and
+    the all-to-all 4/3 too dear. Where the group is not in the process: the input's bytes, said."""
+    import pytest
     import torch.distributed as dist
     import torch.fx as fx
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from remat_compiler.passes.costs import sent_bytes
+    import remat_compiler.moe._uneven  # noqa: F401 - registers remat::all_to_all_uneven
+    from remat_compiler.passes.costs import UnknownGroupWarning, sent_bytes
 
     c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    shard, full, splits = g.placeholder("shard"), g.placeholder("full"), g.placeholder("splits")
+    shard.meta["val"], full.meta["val"] = torch.empty(1000), torch.empty(4000)
+    splits.meta["val"] = torch.empty(4, dtype=torch.long)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         name = dist.group.WORLD.group_name
-        g = fx.Graph()
-        shard, full = g.placeholder("shard"), g.placeholder("full")
-        shard.meta["val"], full.meta["val"] = torch.empty(1000), torch.empty(4000)
         calls = {"all_gather": g.call_function(c10d.all_gather_into_tensor.default, (shard, 4, name)),
+                 "by_keyword": g.call_function(c10d.all_gather_into_tensor.default, (),
+                                               {"input": shard, "group_size": 4, "group_name": name}),
                  "gloo_gather": g.call_function(c10d.all_to_all_single.default, (full, [1000] * 4, [1000] * 4, name)),
+                 "uneven": g.call_function(torch.ops.remat.all_to_all_uneven.default, (full, splits, splits, 4000, name)),
                  "reduce_scatter": g.call_function(c10d.reduce_scatter_tensor.default, (full, "sum", 4, name)),
                  "all_reduce": g.call_function(c10d.all_reduce.default, (full, "sum", name))}
         charged = {k: sent_bytes(n) for k, n in calls.items()}
     finally:
         dist.destroy_process_group()
-    assert charged == {"all_gather": 12_000, "gloo_gather": 12_000, "reduce_scatter": 12_000, "all_reduce": 24_000}
+    assert charged == {"all_gather": 12_000, "by_keyword": 12_000, "gloo_gather": 12_000, "uneven": 12_000,
+                       "reduce_scatter": 12_000, "all_reduce": 24_000}
+    with pytest.warns(UnknownGroupWarning, match="charged its input's 16,000 bytes"):
+        assert sent_bytes(calls["gloo_gather"]) == 16_000

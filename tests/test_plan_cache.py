@@ -73,6 +73,18 @@ def test_the_key_covers_budget_cost_model_solver_and_options(tmp_path):
     assert len(_files(tmp_path)) == 5
 
 
+def test_a_plan_cached_under_another_costing_is_not_served(tmp_path, monkeypatch):
+    """Plans cached before a change of how nodes are costed (passes.costs.COSTING_VERSION: a
+    collective charged the bytes a rank sends) are made with other costs for the same rates: the
+    solve runs again rather than serve them."""
+    import remat_compiler.plan_cache as plan_cache
+
+    _plan(tmp_path)
+    assert _plan(tmp_path).source == "cache"
+    monkeypatch.setattr(plan_cache, "COSTING_VERSION", plan_cache.COSTING_VERSION - 1)
+    assert _plan(tmp_path).source == "solved"
+
+
 def test_a_corrupt_file_is_detected_and_replanned(tmp_path):
     first = _plan(tmp_path)
     (path,) = [tmp_path / f for f in _files(tmp_path)]

@@ -13,7 +13,7 @@ the forward's liveness alone (:meth:`CostGraph.fw_preds`). Node attributes come 
 ``bytes``          bytes of new storage the node allocates (0 for views, aliases, tuples)
 ``flops``          FLOPs (flop counter registry)
 ``runtime_s``      roofline runtime estimate, communication included
-``comm_bytes``     bytes a collective moves
+``comm_bytes``     bytes one rank sends for a collective
 ``never_recompute``  random, mutating or side-effecting op
 ``reason``         why it is never recomputed (None otherwise)
 ``is_tuple``       multi-output node (its tensors belong to its getitem users)
