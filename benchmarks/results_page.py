@@ -290,7 +290,7 @@ def _moe_section(data_dir: str) -> list[str]:
             f"Command: `{_command_in(moe)}`; code: commit 81961ca. The moe1 stack (4 `MoELayer`s, one "
             "process, float32). The A2A column plans\nthe same budgets on a fake 2-rank group, where the "
             "choice is not made; its bytes are the all-to-alls' inputs (made before 05678c2, which charges\n"
-            "the bytes a rank sends: half of these on 2 ranks, the same charge in seconds). Budget \"fast - y\" is moe_fast's\nmeasured peak less every layer's y "
+            "the bytes a rank sends: half of these on 2 ranks, the same charge in seconds for an all-to-all). Budget \"fast - y\" is moe_fast's\nmeasured peak less every layer's y "
             "(4 × 2 MiB): moe_fast cannot reach it without recomputing a GEMM; the\ndefault `cpsat` reaches "
             "it with no FLOPs recomputed, fusing three of the four layers.", "", _tables_and_bullets(moe)]
 
@@ -337,10 +337,9 @@ def _fsdp_section(data_dir: str) -> list[str]:
             "matmuls counted as the planner counts them: see docs/fsdp.md)\nand bytes are exact. Recomputed "
             "FLOPs: a peer's counted FLOPs less FSDP2 eager's; the `torch.compile` peer's counted on a\ntwin "
             "that plans as Inductor does and runs the graphs op by op (`fsdp_peers._recomputed_by_peer`); "
-            "ours, the plan's count. Re-gathered bytes: what a rank sends (`passes.costs.sent_bytes`) in "
-            "runs of commit 05678c2 on;\nfiles made before it hold the gather's input, the gathered size, "
-            "twice what a rank sends on 2 ranks (the plans are\nthe same: on 2 ranks each charge in seconds "
-            "is).", "",
+            "ours, the plan's count. Bytes re-gathered: what a rank sends again in a step, ours as the "
+            "plan charges it\n(`passes.costs.sent_bytes`), the peer's as FSDP2 re-gathers "
+            "(`fsdp_peers.peer_regather_bytes`; \"-\" in files made before it).", "",
             fsdp_peers.format_table(doc["rows"]), *_fsdp_inductor_rows(data_dir)]
 
 
