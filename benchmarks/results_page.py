@@ -287,11 +287,11 @@ def _moe_section(data_dir: str) -> list[str]:
         return []
     moe = _read("moe_table.md", data_dir)
     return ["## MoE: the combine chosen per segment", "",
-            f"Command: `{_command_in(moe)}`; code: commit 81961ca. The moe1 stack (4 `MoELayer`s, one "
+            f"Command: `{_command_in(moe)}`; code: commit b4bedce. The moe1 stack (4 `MoELayer`s, one "
             "process, float32). The A2A column plans\nthe same budgets on a fake 2-rank group, where the "
-            "choice is not made; its bytes are the all-to-alls' inputs (made before 05678c2, which charges\n"
-            "the bytes a rank sends: half of these on 2 ranks, the same charge in seconds for an all-to-all). Budget \"fast - y\" is moe_fast's\nmeasured peak less every layer's y "
-            "(4 × 2 MiB): moe_fast cannot reach it without recomputing a GEMM; the\ndefault `cpsat` reaches "
+            "choice is not made: the bytes a rank sends again. Budget \"fast - y\" is moe_fast's\nmeasured "
+            "peak less every layer's y (4 × 2 MiB): moe_fast cannot reach it without recomputing a GEMM; the\n"
+            "default `cpsat` reaches "
             "it with no FLOPs recomputed, fusing three of the four layers.", "", _tables_and_bullets(moe)]
 
 
