@@ -223,8 +223,9 @@ def test_lazy_bands_of_w_give_the_exact_staircases_bound(w_sweep):
 def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the_overshoot(monkeypatch):
     """The decomposition's composed plan saves everything outside the blocks, and its fix-up only
     recomputes there: a choice that leaves the blocks too little room has no plan. Then the blocks
-    are chosen again, from the same menus, under the budget lowered by what the composition
-    overshot; the plan found fits the real budget and the bound stays the real budget's."""
+    are chosen again, from the same menus, under the budget lowered by parts of what the composition
+    overshot (a quarter, a half, three quarters), and by all of it where none of those gives a plan;
+    the plan found fits the real budget and the bound stays the real budget's."""
     import remat_compiler.solvers.cpsat.warmstart as warmstart
     from remat_compiler.schedule import no_recompute, peak_of
     from remat_compiler.solvers.cpsat.run import Job
@@ -245,7 +246,9 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     overshoot = peak_of(cg, set(cg.candidates)) - budget
     assert overshoot > 0
     budgets = [b for b, _ in calls]
-    assert budgets == [budget, budget - overshoot]
+    parts = [budget - overshoot * k // warmstart.CHARGE_PARTS for k in range(1, warmstart.CHARGE_PARTS)]
+    assert budgets[:len(parts) + 1] == [budget, *parts]
+    assert budgets[len(parts) + 1:] in ([], [budget - overshoot])
     assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
     assert seed.bound == calls[0][1].bound
 
@@ -270,7 +273,8 @@ class HeadStack(Stack):
 
 def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_window(monkeypatch):
     """Where the composed plan peaks in the head's span (the logits and their backward beside every
-    block's saved values), the blocks are chosen again with the head's window charged the overshoot,
+    block's saved values), the blocks are chosen again with the head's window charged the overshoot
+    (its parts first),
     under the same budget: lowering the budget would take the bytes from every block's backward
     window too. The plan fits, the bound stays the budget's, and it costs no more than the plan
     chosen under the lowered budget."""
@@ -300,7 +304,10 @@ def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_wi
     assert first <= sim.peak_time <= end
     overshoot = sim.peak_bytes - budget
     assert overshoot > 0
-    assert [(b, extra) for b, extra, _ in calls] == [(budget, 0), (budget, overshoot)]
+    parts = [overshoot * k // warmstart.CHARGE_PARTS for k in range(1, warmstart.CHARGE_PARTS)]
+    charged = [(b, extra) for b, extra, _ in calls]
+    assert charged[:len(parts) + 1] == [(budget, 0), *((budget, p) for p in parts)]
+    assert charged[len(parts) + 1:] in ([], [(budget, overshoot)])
     assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
     assert seed.bound == calls[0][2].bound
 
@@ -308,7 +315,9 @@ def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_wi
     head_known[0] = False
     calls.clear()
     lowered = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
-    assert [(b, extra) for b, extra, _ in calls] == [(budget, 0), (budget - overshoot, 0)]
+    charged = [(b, extra) for b, extra, _ in calls]
+    assert charged[:len(parts) + 1] == [(budget, 0), *((budget - p, 0) for p in parts)]
+    assert charged[len(parts) + 1:] in ([], [(budget - overshoot, 0)])
     cost = lambda saved: sum(cost_units(cg, n, "flops") for n in build_schedule(cg, saved).recomputed)  # noqa: E731
     assert lowered.saved is None or cost(seed.saved) <= cost(lowered.saved)
 
