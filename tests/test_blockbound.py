@@ -224,38 +224,56 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     """The decomposition's composed plan saves everything outside the blocks, and its fix-up only
     recomputes there: a choice that leaves the blocks too little room has no plan. Then the blocks
     are chosen again, from the same menus, under the budget lowered by parts of what the composition
-    overshot (a quarter, a half, three quarters), and by all of it where none of those gives a plan;
-    the plan found fits the real budget and the bound stays the real budget's."""
+    overshot (a quarter, a half, three quarters), the cheapest plan of theirs taken; where none of
+    those gives a plan, under the budget lowered by all of it. The plan found fits the real budget
+    and the bound stays the real budget's."""
     import remat_compiler.solvers.cpsat.warmstart as warmstart
     from remat_compiler.schedule import no_recompute, peak_of
     from remat_compiler.solvers.cpsat.run import Job
 
     cg = _stack(16, 64, 512)
     budget = int(0.85 * no_recompute(cg).peak_bytes)  # plans fit from 0.7 of it
-    real, calls = warmstart.block_bound, []
-
-    def choosing_too_much_first(cg_, budget_bytes, *args, **kwargs):
-        found = real(cg_, budget_bytes, *args, **kwargs)
-        calls.append((budget_bytes, found))
-        if len(calls) == 1:  # a choice that saves every block value: no fix-up outside can fit it
-            found.saved = set(cg_.candidates)
-        return found
-    monkeypatch.setattr(warmstart, "block_bound", choosing_too_much_first)
-    job = Job(cg, budget, "flops", Deadline(20.0))
-    seed = warmstart.decomposition(job, 20.0)
     overshoot = peak_of(cg, set(cg.candidates)) - budget
     assert overshoot > 0
-    budgets = [b for b, _ in calls]
     parts = [budget - overshoot * k // warmstart.CHARGE_PARTS for k in range(1, warmstart.CHARGE_PARTS)]
-    assert budgets[:len(parts) + 1] == [budget, *parts]
-    assert budgets[len(parts) + 1:] in ([], [budget - overshoot])
+    real_bound, real_plan_of = warmstart.block_bound, warmstart._plan_of
+
+    def run(too_much: int, rechoices=warmstart.RECHOICES):
+        """The decomposition, its first ``too_much`` choices saving every block value (no fix-up
+        outside the blocks can fit them): (the budgets chosen under, the plans each gave, the seed)."""
+        calls, plans = [], []
+
+        def choosing(cg_, budget_bytes, *args, **kwargs):
+            found = real_bound(cg_, budget_bytes, *args, **kwargs)
+            calls.append((budget_bytes, found))
+            if len(calls) <= too_much:
+                found.saved = set(cg_.candidates)
+            return found
+
+        def plan_of(job, found, clock):
+            saved = real_plan_of(job, found, clock)
+            plans.append(saved)
+            return saved
+        monkeypatch.setattr(warmstart, "block_bound", choosing)
+        monkeypatch.setattr(warmstart, "_plan_of", plan_of)
+        monkeypatch.setattr(warmstart, "RECHOICES", rechoices)
+        job = Job(cg, budget, "flops", Deadline(20.0))
+        seed = warmstart.decomposition(job, 20.0)
+        return [b for b, _ in calls], plans, seed, job, calls
+
+    budgets, plans, seed, job, calls = run(1)  # the parts' choices are the bound's own
+    assert budgets == [budget, *parts]
+    found = [p for p in plans[1:] if p is not None]
+    assert found and seed.decomposed and job.cost(seed.saved) == min(job.cost(p) for p in found)
+    assert peak_of(cg, seed.saved) <= budget and seed.bound == calls[0][1].bound
+
+    budgets, plans, seed, job, calls = run(1 + len(parts))  # no part gives a plan: all of it charged
+    assert budgets == [budget, *parts, budget - overshoot]
     assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
     assert seed.bound == calls[0][1].bound
 
-    calls.clear()  # without re-choices: no plan from the decomposition, only its bound
-    monkeypatch.setattr(warmstart, "RECHOICES", 0)
-    seed = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
-    assert seed.saved is None and seed.bound == calls[0][1].bound and len(calls) == 1
+    budgets, plans, seed, job, calls = run(1, rechoices=0)  # without re-choices: only the bound
+    assert seed.saved is None and seed.bound == calls[0][1].bound and budgets == [budget]
 
 
 class HeadStack(Stack):
@@ -274,7 +292,7 @@ class HeadStack(Stack):
 def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_window(monkeypatch):
     """Where the composed plan peaks in the head's span (the logits and their backward beside every
     block's saved values), the blocks are chosen again with the head's window charged the overshoot
-    (its parts first),
+    (parts of it first),
     under the same budget: lowering the budget would take the bytes from every block's backward
     window too. The plan fits, the bound stays the budget's, and it costs no more than the plan
     chosen under the lowered budget."""

@@ -38,7 +38,7 @@ SHARES = {
                              # cost search (until SHARES["search"] of T, see .steps) keeps its share
 }
 COMPOSITION_CAP_S = 15.0
-RECHOICES = 3  # times the decomposition chooses its blocks again under a lower budget (see decomposition)
+RECHOICES = 3  # times the decomposition charges a whole overshoot and chooses its blocks again (see decomposition)
 #: Before charging a re-choice the whole overshoot, the decomposition tries 1/CHARGE_PARTS of it,
 #: 2/CHARGE_PARTS, ...: on Mistral-7B at seq 8192 and 0.3 of the no-recompute peak, the composition
 #: overshot by 333 MB in the head's span; charged all of it, the blocks' choice still overshot (78 MB)
@@ -155,10 +155,11 @@ def decomposition(job: Job, seconds: float) -> Seed:
     The composition saves everything outside the blocks, and its fix-up recomputes only there; where
     the choice leaves the blocks too little room for that (GPT-2's loss head at the
     checkpoint-every-block budget: 3 MiB over), the blocks are chosen again under the budget
-    lowered by what the composition overshot, from the same menus, up to :data:`RECHOICES` times;
-    before each, under the budget lowered by parts of it (1/:data:`CHARGE_PARTS`, 2/..., while
-    time is left), whose choices leave the blocks more room and whose fix-ups may fit: the cheapest
-    plan of these is taken.
+    lowered by what the composition overshot, from the same menus, up to :data:`RECHOICES` times.
+    Before each such re-choice the blocks are chosen under the budget lowered by parts of the
+    overshoot (1/:data:`CHARGE_PARTS`, 2/..., while time is left): these choices leave the blocks
+    more room, and their fix-ups may fit; the cheapest plan they give is the decomposition's, and
+    the whole overshoot is charged only where none gives one.
     The bound stays the budget's own. Where the composition peaks in the head's span (after the
     blocks' forward, before the head reads a block: GPT-2's logits and their log-softmax beside every
     block's saved values), only the head's window is charged the overshoot: lowering the whole budget
@@ -184,18 +185,22 @@ def decomposition(job: Job, seconds: float) -> Seed:
         in_head = span is not None and span[0] <= sim.peak_time <= span[1]
         # a part of the overshoot leaves the blocks more room (a cheaper choice), and the fix-up may
         # find room outside them for the rest; which part fits is not monotone in the part, nor is
-        # what its fix-up costs: the cheapest plan of those found
+        # what its fix-up costs: the cheapest plan of those found. Each part gets an equal slice of
+        # the time left with the whole charge after them (a fix-up that finds nothing runs to its end)
+        parts = sorted({over * k // CHARGE_PARTS for k in range(1, CHARGE_PARTS)} - {0})
         plans = []
-        for k in range(1, CHARGE_PARTS):
+        for i, part in enumerate(parts):
             if clock.left() < MIN_PHASE_S:
                 break
-            part = over * k // CHARGE_PARTS
-            saved = _plan_of(job, _rechoose(job, clock, target - (0 if in_head else part),
-                                            head_extra + (part if in_head else 0)), clock)
+            share = clock.part(clock.left() / (len(parts) - i + 1))
+            saved = _plan_of(job, _rechoose(job, share, target - (0 if in_head else part),
+                                            head_extra + (part if in_head else 0)), share)
             if saved is not None:
                 plans.append(saved)
         if plans:
             return Seed(min(plans, key=job.cost), bound, decomposed=True)
+        if clock.left() < MIN_PHASE_S:
+            break
         if in_head:
             head_extra += over
         else:
