@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx.operator_schemas import normalize_function
 from torch.utils.flop_counter import flop_registry
 
 from remat_compiler.passes.c10d import is_c10d, is_collective
@@ -135,13 +136,6 @@ class UnknownGroupWarning(UserWarning):
     """A collective's process group is not in this process: it is charged its input's bytes."""
 
 
-def _bound_args(node: fx.Node, schema) -> dict:
-    """The node's arguments by their schema names, positional and keyword alike."""
-    values = dict(zip((a.name for a in schema.arguments), node.args))
-    values.update(node.kwargs)
-    return values
-
-
 def _group_size(values: dict) -> int | None:
     """The number of ranks a collective runs over: its ``group_size`` argument, or the size of the
     process group its ``group_name`` names (None where no such group exists in this process)."""
@@ -187,9 +181,11 @@ def sent_bytes(node: fx.Node) -> int:
     12000
     """
     schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    named = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True) \
+        if schema is not None else None
+    if named is None:
         return sum(_tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    values = _bound_args(node, schema)
+    values = named.kwargs
     data = sum(_tensor_bytes(v.meta.get("val")) for k, value in values.items()
                if "split" not in k and k != "out"
                for v in pytree.tree_leaves(value) if isinstance(v, fx.Node))

@@ -274,16 +274,14 @@ def test_fsdp_peers_counts_what_fsdp2_gathers_again():
     """FSDP2 all-gathers again in backward every unit that reshards after forward, a rank sending its
     padded shard to each other rank: under reshard_after_forward=True the root too, under its
     default (None) every unit but the root, under False none."""
-    import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from benchmarks.fsdp_peers import peer_regather_bytes
+    from remat_compiler.fsdp.planning import fake_process_group
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        sent = {}
+    sent = {}
+    with fake_process_group(4):
         for reshard in (True, None, False):
             model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 3), nn.Linear(3, 2))
             kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
@@ -292,8 +290,6 @@ def test_fsdp_peers_counts_what_fsdp2_gathers_again():
             fully_shard(model, **kwargs)  # the root holds the last Linear
             model._get_fsdp_state()._lazy_init()  # as the first forward does: the root's setting is decided
             sent[reshard] = peer_regather_bytes(model)
-    finally:
-        dist.destroy_process_group()
     # padded shards on 4 ranks: weight rows ceil(10/4)=3 x 6 and bias 3; 1 x 10 and 1; 1 x 3 and 1
     blocks = 3 * 4 * ((3 * 6 + 3) + (1 * 10 + 1))
     assert sent == {True: blocks + 3 * 4 * (1 * 3 + 1), None: blocks, False: 0}

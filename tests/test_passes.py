@@ -157,9 +157,9 @@ def test_a_collective_is_charged_the_bytes_a_rank_sends():
     import pytest
     import torch.distributed as dist
     import torch.fx as fx
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import remat_compiler.moe._uneven  # noqa: F401 - registers remat::all_to_all_uneven
+    from remat_compiler.fsdp.planning import fake_process_group
     from remat_compiler.passes.costs import UnknownGroupWarning, sent_bytes
 
     c10d = torch.ops._c10d_functional
@@ -167,8 +167,7 @@ def test_a_collective_is_charged_the_bytes_a_rank_sends():
     shard, full, splits = g.placeholder("shard"), g.placeholder("full"), g.placeholder("splits")
     shard.meta["val"], full.meta["val"] = torch.empty(1000), torch.empty(4000)
     splits.meta["val"] = torch.empty(4, dtype=torch.long)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_process_group(4):
         name = dist.group.WORLD.group_name
         calls = {"all_gather": g.call_function(c10d.all_gather_into_tensor.default, (shard, 4, name)),
                  "by_keyword": g.call_function(c10d.all_gather_into_tensor.default, (),
@@ -178,8 +177,6 @@ def test_a_collective_is_charged_the_bytes_a_rank_sends():
                  "reduce_scatter": g.call_function(c10d.reduce_scatter_tensor.default, (full, "sum", 4, name)),
                  "all_reduce": g.call_function(c10d.all_reduce.default, (full, "sum", name))}
         charged = {k: sent_bytes(n) for k, n in calls.items()}
-    finally:
-        dist.destroy_process_group()
     assert charged == {"all_gather": 12_000, "by_keyword": 12_000, "gloo_gather": 12_000, "uneven": 12_000,
                        "reduce_scatter": 12_000, "all_reduce": 24_000}
     with pytest.warns(UnknownGroupWarning, match="charged its input's 16,000 bytes"):
