@@ -276,6 +276,44 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
     assert seed.saved is None and seed.bound == calls[0][1].bound and budgets == [budget]
 
 
+def test_a_fitting_fix_up_of_a_choice_that_overshoots_is_weighed_against_the_parts(monkeypatch):
+    """Where the composition overshoots, its own fix-up fits only by recomputing outside the blocks,
+    which may cost more than the blocks chosen under a part of the overshoot (Qwen2-7B at seq 4096
+    and 0.5 of the no-recompute peak): the parts are tried too, and the cheapest plan is taken."""
+    import remat_compiler.solvers.cpsat.warmstart as warmstart
+    from remat_compiler.schedule import no_recompute, peak_of
+    from remat_compiler.solvers.cpsat.run import Job
+
+    cg = _stack(16, 64, 512)
+    budget = int(0.85 * no_recompute(cg).peak_bytes)
+    overshoot = peak_of(cg, set(cg.candidates)) - budget
+    dear = set(rc.solve(cg, None, "checkpoint_blocks").saved)  # fits, recomputing each block whole
+    assert overshoot > 0 and peak_of(cg, dear) <= budget
+    parts = [budget - overshoot * k // warmstart.CHARGE_PARTS for k in range(1, warmstart.CHARGE_PARTS)]
+    real_bound, real_plan_of = warmstart.block_bound, warmstart._plan_of
+    calls, plans = [], []
+
+    def choosing(cg_, budget_bytes, *args, **kwargs):
+        found = real_bound(cg_, budget_bytes, *args, **kwargs)
+        calls.append(budget_bytes)
+        if len(calls) == 1:
+            found.saved = set(cg_.candidates)  # overshoots
+        return found
+
+    def plan_of(job, found, clock):
+        saved = dear if not plans else real_plan_of(job, found, clock)  # the choice's own: fits, dearly
+        plans.append(saved)
+        return saved
+    monkeypatch.setattr(warmstart, "block_bound", choosing)
+    monkeypatch.setattr(warmstart, "_plan_of", plan_of)
+    job = Job(cg, budget, "flops", Deadline(20.0))
+    seed = warmstart.decomposition(job, 20.0)
+    assert calls == [budget, *parts]
+    found = [p for p in plans if p is not None]
+    assert job.cost(seed.saved) == min(job.cost(p) for p in found) < job.cost(dear)
+    assert seed.decomposed and peak_of(cg, seed.saved) <= budget
+
+
 class HeadStack(Stack):
     """:class:`Stack` with a language model's head: logits wider than the blocks, cross-entropy."""
 

@@ -159,7 +159,9 @@ def decomposition(job: Job, seconds: float) -> Seed:
     Before each such re-choice the blocks are chosen under the budget lowered by parts of the
     overshoot (1/:data:`CHARGE_PARTS`, 2/..., while time is left): these choices leave the blocks
     more room, and their fix-ups may fit; the cheapest plan they give is the decomposition's, and
-    the whole overshoot is charged only where none gives one.
+    the whole overshoot is charged only where none gives one. The choice's own fix-up, which fits
+    only by recomputing outside the blocks where the composition overshoots, is one of those plans,
+    not the answer before them.
     The bound stays the budget's own. Where the composition peaks in the head's span (after the
     blocks' forward, before the head reads a block: GPT-2's logits and their log-softmax beside every
     block's saved values), only the head's window is charged the overshoot: lowering the whole budget
@@ -172,23 +174,26 @@ def decomposition(job: Job, seconds: float) -> Seed:
         return Seed()
     bound, target, head_extra = found.bound, job.budget_bytes, 0
     for attempt in range(RECHOICES + 1):
-        saved = _plan_of(job, found, clock)
-        if saved is not None:
-            return Seed(saved, bound, decomposed=True)
         if found is None or found.saved is None:
             break
         sim = simulate(job.cg, build_schedule(job.cg, found.saved))
         over = sim.peak_bytes - job.budget_bytes
-        if attempt == RECHOICES or over <= 0 or clock.left() < MIN_PHASE_S:
-            break
-        span = found.head_times
-        in_head = span is not None and span[0] <= sim.peak_time <= span[1]
         # a part of the overshoot leaves the blocks more room (a cheaper choice), and the fix-up may
         # find room outside them for the rest; which part fits is not monotone in the part, nor is
-        # what its fix-up costs: the cheapest plan of those found. Each part gets an equal slice of
-        # the time left with the whole charge after them (a fix-up that finds nothing runs to its end)
-        parts = sorted({over * k // CHARGE_PARTS for k in range(1, CHARGE_PARTS)} - {0})
-        plans = []
+        # what its fix-up costs: the cheapest plan of those found. The choice's own fix-up is one of
+        # them: where the composition overshoots, a plan it finds recomputes outside the blocks, which
+        # may cost more than a part's choice (Qwen2-7B at seq 4096 and 0.5 of the no-recompute peak:
+        # 5.908e9 FLOP units, where half of the 148 MB overshoot charged to the head gives 5.622e9).
+        # It runs first, on the whole clock (given a fifth of it, on the slower machine of session 40,
+        # it and every part found nothing, and the warm start fell back to a heuristic's plan); the
+        # parts share what it leaves, each an equal slice with the whole charge after them (a fix-up
+        # that finds nothing runs to its end)
+        again = over > 0 and attempt < RECHOICES  # chosen again if nothing fits
+        parts = sorted({over * k // CHARGE_PARTS for k in range(1, CHARGE_PARTS)} - {0}) if again else []
+        own = _plan_of(job, found, clock)
+        plans = [] if own is None else [own]
+        span = found.head_times
+        in_head = span is not None and span[0] <= sim.peak_time <= span[1]
         for i, part in enumerate(parts):
             if clock.left() < MIN_PHASE_S:
                 break
@@ -199,7 +204,7 @@ def decomposition(job: Job, seconds: float) -> Seed:
                 plans.append(saved)
         if plans:
             return Seed(min(plans, key=job.cost), bound, decomposed=True)
-        if clock.left() < MIN_PHASE_S:
+        if not again or clock.left() < MIN_PHASE_S:
             break
         if in_head:
             head_extra += over
