@@ -261,19 +261,20 @@ def test_a_composition_that_overshoots_is_chosen_again_under_the_budget_less_the
         seed = warmstart.decomposition(job, 20.0)
         return [b for b, _ in calls], plans, seed, job, calls
 
-    budgets, plans, seed, job, calls = run(1)  # the parts' choices are the bound's own
-    assert budgets == [budget, *parts]
+    # the first two choices (the bound's, with the tail's menu; then as if the tail were free) overshoot
+    budgets, plans, seed, job, calls = run(2)  # the parts' choices are the bound's own
+    assert budgets == [budget, budget, *parts]
     found = [p for p in plans[1:] if p is not None]
     assert found and seed.decomposed and job.cost(seed.saved) == min(job.cost(p) for p in found)
     assert peak_of(cg, seed.saved) <= budget and seed.bound == calls[0][1].bound
 
-    budgets, plans, seed, job, calls = run(1 + len(parts))  # no part gives a plan: all of it charged
-    assert budgets == [budget, *parts, budget - overshoot]
+    budgets, plans, seed, job, calls = run(2 + len(parts))  # no part gives a plan: all of it charged
+    assert budgets == [budget, budget, *parts, budget - overshoot]
     assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
     assert seed.bound == calls[0][1].bound
 
-    budgets, plans, seed, job, calls = run(1, rechoices=0)  # without re-choices: only the bound
-    assert seed.saved is None and seed.bound == calls[0][1].bound and budgets == [budget]
+    budgets, plans, seed, job, calls = run(2, rechoices=0)  # without re-choices: only the bound
+    assert seed.saved is None and seed.bound == calls[0][1].bound and budgets == [budget, budget]
 
 
 def test_a_fitting_fix_up_of_a_choice_that_overshoots_is_weighed_against_the_parts(monkeypatch):
@@ -296,19 +297,20 @@ def test_a_fitting_fix_up_of_a_choice_that_overshoots_is_weighed_against_the_par
     def choosing(cg_, budget_bytes, *args, **kwargs):
         found = real_bound(cg_, budget_bytes, *args, **kwargs)
         calls.append(budget_bytes)
-        if len(calls) == 1:
+        if len(calls) <= 2:  # the bound's choice, then the one as if the tail were free
             found.saved = set(cg_.candidates)  # overshoots
         return found
 
     def plan_of(job, found, clock):
-        saved = dear if not plans else real_plan_of(job, found, clock)  # the choice's own: fits, dearly
+        # the tail's choice: none; the tail-free choice's own: fits, dearly
+        saved = None if not plans else dear if len(plans) == 1 else real_plan_of(job, found, clock)
         plans.append(saved)
         return saved
     monkeypatch.setattr(warmstart, "block_bound", choosing)
     monkeypatch.setattr(warmstart, "_plan_of", plan_of)
     job = Job(cg, budget, "flops", Deadline(20.0))
     seed = warmstart.decomposition(job, 20.0)
-    assert calls == [budget, *parts]
+    assert calls == [budget, budget, *parts]
     found = [p for p in plans if p is not None]
     assert job.cost(seed.saved) == min(job.cost(p) for p in found) < job.cost(dear)
     assert seed.decomposed and peak_of(cg, seed.saved) <= budget
@@ -348,7 +350,7 @@ def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_wi
     def choosing_too_much_first(cg_, budget_bytes, *args, **kwargs):
         found = real(cg_, budget_bytes, *args, **kwargs)
         calls.append((budget_bytes, kwargs.get("head_extra", 0), found))
-        if len(calls) == 1:  # every block value saved: the peak is the head's backward
+        if len(calls) <= 2:  # every block value saved: the peak is the head's backward
             found.saved = set(cg_.candidates)
         if not head_known[0]:
             found.head_times = None
@@ -362,8 +364,8 @@ def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_wi
     assert overshoot > 0
     parts = [overshoot * k // warmstart.CHARGE_PARTS for k in range(1, warmstart.CHARGE_PARTS)]
     charged = [(b, extra) for b, extra, _ in calls]
-    assert charged[:len(parts) + 1] == [(budget, 0), *((budget, p) for p in parts)]
-    assert charged[len(parts) + 1:] in ([], [(budget, overshoot)])
+    assert charged[:len(parts) + 2] == [(budget, 0), (budget, 0), *((budget, p) for p in parts)]
+    assert charged[len(parts) + 2:] in ([], [(budget, overshoot)])
     assert seed.saved is not None and seed.decomposed and peak_of(cg, seed.saved) <= budget
     assert seed.bound == calls[0][2].bound
 
@@ -372,8 +374,8 @@ def test_a_composition_that_overshoots_in_the_head_charges_the_head_not_every_wi
     calls.clear()
     lowered = warmstart.decomposition(Job(cg, budget, "flops", Deadline(20.0)), 20.0)
     charged = [(b, extra) for b, extra, _ in calls]
-    assert charged[:len(parts) + 1] == [(budget, 0), *((budget - p, 0) for p in parts)]
-    assert charged[len(parts) + 1:] in ([], [(budget - overshoot, 0)])
+    assert charged[:len(parts) + 2] == [(budget, 0), (budget, 0), *((budget - p, 0) for p in parts)]
+    assert charged[len(parts) + 2:] in ([], [(budget - overshoot, 0)])
     cost = lambda saved: sum(cost_units(cg, n, "flops") for n in build_schedule(cg, saved).recomputed)  # noqa: E731
     assert lowered.saved is None or cost(seed.saved) <= cost(lowered.saved)
 
@@ -404,12 +406,13 @@ def test_the_plans_found_are_composed_on_what_they_save():
     from remat_compiler.solvers.cpsat.blockbound import _plans_composed
     from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint
 
-    frame = SimpleNamespace(offsets=[0, 0, 0], forward=[0, 0, 0], head=40, head_bw=0, pulled=False)
+    frame = SimpleNamespace(offsets=[0, 0, 0], forward=[0, 0, 0], head=40, head_bw=0, pulled=False,
+                            head_menu=[(0, 0)])
     cheap = _MenuPoint(H=10, W=20, cost=1, saved=frozenset({0, 1}), F=30)
     lean = _MenuPoint(H=10, W=20, cost=5, saved=frozenset({0}), F=15)
     standin = _MenuPoint(H=0, W=0, cost=0, saved=None)
-    points = _plans_composed([standin, cheap, lean], frame, 100)
-    assert sorted(o.cost for o in points) == [1, 5, 5]  # 30 + 15 + 15 + 40 = 100; three cheap: 130
+    points, head = _plans_composed([standin, cheap, lean], frame, 100)
+    assert sorted(o.cost for o in points) == [1, 5, 5] and head == (0, 0)  # 30 + 15 + 15 + 40 = 100; three cheap: 130
     assert _plans_composed([standin, cheap, lean], frame, 84) is None  # three lean: 45 + 40 = 85
 
 
@@ -556,3 +559,61 @@ def test_a_stack_whose_boundaries_only_forward_reads_is_bounded_below_every_fitt
     lay = _Layout(cg)
     assert lay.ok and lay.pull is not None and len(cg.candidates) == 14
     assert [objective for objective, _ in _bounded_below_every_plan(cg)] == ["flops", "runtime"]
+
+
+class TailStack(nn.Module):
+    """:class:`PulledStack` with a head whose first value backward reads (a tanh's output) is last read
+    by the forward before the head's peak (its logits' log-softmax): keeping it, or the last block's
+    output it is computed from, costs its bytes there; dropping both recomputes the last block's
+    second matmul."""
+
+    def __init__(self, n: int, d: int, h: int, vocab: int):
+        super().__init__()
+        self.layers = nn.ModuleList([PulledBlock(d, h) for _ in range(n)])
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return torch.log_softmax(self.out(torch.tanh(x)), -1).sum()
+
+
+def test_the_tails_menu_raises_the_bound_and_stays_below_every_optimal_plan():
+    """The head's span is charged what the tail keeps there against what it recomputes
+    (:mod:`~remat_compiler.solvers.cpsat.blockbound.tail`): the menu has a point that recomputes a
+    matmul's FLOPs; at budgets from the lowest peak to no recomputation, for both objectives, the
+    bound with it is at least the bound without it, above it at some, and never above the cost of a
+    plan CP-SAT proves optimal on the full model (each value recomputed at most once)."""
+    from remat_compiler.errors import InfeasibleBudgetError
+    from remat_compiler.schedule import no_recompute
+    from remat_compiler.solvers.cpsat.blockbound.layout import _Layout, _fixed_intervals
+    from remat_compiler.solvers.cpsat.blockbound.tail import head_menu
+
+    torch.manual_seed(0)
+    _, cg = rc.analyze(TailStack(3, 16, 64, 256), (torch.randn(64, 16, requires_grad=True),))
+    lay = _Layout(cg)
+    assert lay.ok and lay.pull is not None
+    flops = lambda n: cost_units(cg, n, "flops")  # noqa: E731
+    points, tail = head_menu(cg, lay, _fixed_intervals(cg, lay), flops, Deadline(10))
+    assert any(charge >= min(flops(v) for v in cg.candidates if "mm" in v or "addmm" in v)
+               for _, charge, _ in points), points
+    high = no_recompute(cg).peak_bytes
+    low = simulate(cg, build_schedule(cg, set())).peak_bytes // 2
+    raised = proven = 0
+    for objective in ("flops", "runtime"):
+        cost_of = lambda n: cost_units(cg, n, objective)  # noqa: E731
+        for budget in range(low, high, (high - low) // 12):
+            with_tail = block_bound(cg, budget, cost_of, deadline=Deadline(30))
+            without = block_bound(cg, budget, cost_of, deadline=Deadline(30), tail=False)
+            assert without.bound <= with_tail.bound, (objective, budget)
+            raised += without.bound < with_tail.bound
+            try:
+                plan = rc.solve(cg, budget, "cpsat", objective=objective, block_reuse=False, reruns=False,
+                                time_limit_s=20, num_workers=1)
+            except InfeasibleBudgetError:
+                continue
+            cost = sum(cost_of(n) for n in build_schedule(cg, plan.saved).recomputed)
+            if plan.extras["cost_units"] <= plan.extras["cost_bound_units"]:  # proven optimal
+                proven += 1
+                assert with_tail.bound <= cost, (objective, budget)
+    assert raised >= 1 and proven >= 6

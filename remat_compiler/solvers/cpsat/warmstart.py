@@ -172,7 +172,23 @@ def decomposition(job: Job, seconds: float) -> Seed:
                         menus=job.memo.menus, cost_key=job.objective, accept=job.meets)
     if found is None:
         return Seed()
-    bound, target, head_extra = found.bound, job.budget_bytes, 0
+    bound = found.bound
+    # the bound's own choice leaves the tail room for what its menu keeps in the head's span (the rest
+    # recomputed: Qwen2-7B at seq 4096 and 0.5, a plan of the bound's cost). Where that is no plan, the
+    # blocks are chosen as if the tail were free, the head charged what their composition overshoots
+    # (Mistral-7B at seq 8192 and 0.3: the tail's choice overshoots 11.5 MB in a block's window, where
+    # the attention mask its recomputation reads is live, which the windows' fixed memory leaves out)
+    saved = _plan_of(job, found, clock.part(clock.left() / 4))
+    if saved is None and clock.left() >= MIN_PHASE_S:
+        saved = _charged(job, _rechoose(job, clock, job.budget_bytes, 0, tail=False), clock, tail=False)
+    return Seed(bound=bound) if saved is None else Seed(saved, bound, decomposed=True)
+
+
+def _charged(job: Job, found, clock, *, tail: bool) -> set[str] | None:
+    """The plan of the choice ``found``, or of choices made again (with the tail's menu or without,
+    as ``found`` was) with parts of, or all of, what its composition overshoots charged
+    (:func:`decomposition`)."""
+    target, head_extra = job.budget_bytes, 0
     for attempt in range(RECHOICES + 1):
         if found is None or found.saved is None:
             break
@@ -199,39 +215,37 @@ def decomposition(job: Job, seconds: float) -> Seed:
                 break
             share = clock.part(clock.left() / (len(parts) - i + 1))
             saved = _plan_of(job, _rechoose(job, share, target - (0 if in_head else part),
-                                            head_extra + (part if in_head else 0)), share)
+                                            head_extra + (part if in_head else 0), tail=tail), share)
             if saved is not None:
                 plans.append(saved)
         if plans:
-            return Seed(min(plans, key=job.cost), bound, decomposed=True)
+            return min(plans, key=job.cost)
         if not again or clock.left() < MIN_PHASE_S:
             break
         if in_head:
             head_extra += over
         else:
             target -= over
-        found = _rechoose(job, clock, target, head_extra)
-    return Seed(bound=bound)
+        found = _rechoose(job, clock, target, head_extra, tail=tail)
+    return None
 
 
-def _rechoose(job: Job, clock, target: int, head_extra: int):
-    """The bound's choice of block plans again, from the same menus, under ``target`` with the head's
-    window charged ``head_extra`` more."""
+def _rechoose(job: Job, clock, target: int, head_extra: int, *, tail: bool):
+    """The bound's choice of block plans again, from the same menus (with the tail's menu or as if
+    the tail were free), under ``target`` with the head's window charged ``head_extra`` more."""
     return block_bound(job.cg, target, job.cost_of, deadline=clock.part(SHARES["bound"] * clock.left()),
-                       menus=job.memo.menus, cost_key=job.objective, accept=job.meets, head_extra=head_extra)
+                       menus=job.memo.menus, cost_key=job.objective, accept=job.meets, head_extra=head_extra,
+                       tail=tail)
 
 
 def _plan_of(job: Job, found, clock) -> set[str] | None:
-    """A plan from the bound's choice ``found``: its fix-up's, or the composition itself where it
-    fits and the fix-up found nothing in time; None where neither fits."""
+    """A plan from the bound's choice ``found``: the composition itself where it fits, else its
+    fix-up's; None where neither fits."""
     if found is None or found.saved is None:
         return None
-    saved = _fix_up(job, found, clock)
-    if saved is not None:
-        return saved
     if job.complies(found.saved) and peak_of(job.cg, found.saved) <= job.budget_bytes:
-        return set(found.saved)
-    return None
+        return set(found.saved)  # it recomputes outside the blocks only what the tail's menu drops
+    return _fix_up(job, found, clock)
 
 
 def _fix_up(job: Job, found, clock) -> set[str] | None:

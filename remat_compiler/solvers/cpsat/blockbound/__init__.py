@@ -84,6 +84,7 @@ from remat_compiler.solvers.cpsat.blockbound.compose import _compose, _Frame, fi
 from remat_compiler.solvers.cpsat.blockbound.direct import direct_plans
 from remat_compiler.solvers.cpsat.blockbound.layout import _fixed_intervals, _Layout
 from remat_compiler.solvers.cpsat.blockbound.menu import _Menu, _MenuPoint
+from remat_compiler.solvers.cpsat.blockbound.tail import head_menu
 from remat_compiler.solvers.cpsat.blockbound.variants import VARIANTS, _Menus
 
 __all__ = ["BlockBound", "block_bound"]
@@ -112,7 +113,7 @@ class BlockBound:
 
 def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline, menus: dict | None = None,
                 cost_key=None, min_blocks: int = 3, w_granule: int | None = None, accept=None,
-                head_extra: int = 0) -> BlockBound | None:
+                head_extra: int = 0, tail: bool = True) -> BlockBound | None:
     """A lower bound on the summed ``cost_of`` of every plan of the CP-SAT model that fits
     ``budget_bytes``, and its choice composed into a saved set (see the module docstring).
 
@@ -132,7 +133,9 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
     cheaper's cost is accepted against the bound (the caller's tolerance), those plans are the answer
     (``exact`` False) and the bound stays the stand-ins'. ``head_extra``: bytes the head's window is
     taken to hold beyond its fixed memory (a caller's measure of what lies outside the blocks there;
-    the bound is then that of the smaller problem).
+    the bound is then that of the smaller problem). ``tail``: charge the head's span the tail's menu
+    (:mod:`.tail`: what the values outside the blocks keep there against what they recompute); without
+    it they count as free there, a weaker bound whose choice saves everything outside the blocks.
     """
     t_start = time.perf_counter()
     lay = _Layout(cg)
@@ -166,22 +169,34 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         menu = _Menus(parts)
         if keep:
             menus[key] = menu
+    if tail and menu.tail is None:  # kept with the blocks' menus: it depends on the graph and the costs alone
+        menu.tail = head_menu(cg, lay, fixed, cost_of, deadline)
+    the_tail = menu.tail if tail else ([(0, 0, None)], frozenset())
+    frame.head_menu = [(x, charge) for x, charge, _ in the_tail[0]]
+    if not tail and menu.tail is not None:
+        # the head charged ``head_extra`` leaves the tail that much: its saved set keeps the tail as
+        # the menu's point of the most bytes within it does (a point's charge is not the bound's)
+        within = [p for p in menu.tail[0] if p[0] <= head_extra and p[2] is not None]
+        if within:
+            x, c, what = max(within, key=lambda p: p[0])
+            the_tail = ([(0, 0, what)], menu.tail[1])
     while True:
         options, stand = menu.options()
         found = _compose(options, frame, budget_bytes)
         if found is None:  # not even the stand-ins fit: no plan does
             return BlockBound(bound=math.inf, time_s=time.perf_counter() - t_start)
-        cost, choice = found
+        cost, choice, (extra, charge) = found
         todo = {stand[i] for i in choice if stand[i] is not None}
         if not todo:
             break
         if accept is not None:
-            tried = [p for p in (direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline),
+            direct = direct_plans(menu, options, stand, choice, frame, budget_bytes, deadline, extra=extra)
+            tried = [p for p in ((direct, (extra, charge)) if direct is not None else None,
                                  _plans_composed(options, frame, budget_bytes)) if p is not None]
-            points = min(tried, key=lambda ps: sum(o.cost for o in ps), default=None)
-            plan_cost = None if points is None else sum(o.cost for o in points)
-            if points is not None and accept(plan_cost, cost):
-                return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))),
+            best = min(tried, key=lambda p: sum(o.cost for o in p[0]) + p[1][1], default=None)
+            plan_cost = None if best is None else sum(o.cost for o in best[0]) + best[1][1]
+            if best is not None and accept(plan_cost, cost):
+                return BlockBound(bound=cost, saved=_saved(cg, lay, best[0], best[1], the_tail),
                                   saved_cost=plan_cost,
                                   block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                                   time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
@@ -192,32 +207,48 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
             # best choice of the plans found so far, on what they save, is still a plan (on GPT-2 under
             # the runtime objective at 25 s the bound's own choice missed the deadline, and with it the plan)
             options, _ = menu.options()
-            points = _plans_composed(options, frame, budget_bytes)
-            saved = None if points is None else _composed(cg, lay, points, list(range(lay.L)))
+            found_plans = _plans_composed(options, frame, budget_bytes)
+            saved = None if found_plans is None else _saved(cg, lay, *found_plans, the_tail)
             return BlockBound(bound=cost, saved=saved,
-                              saved_cost=None if points is None else sum(o.cost for o in points),
+                              saved_cost=None if found_plans is None else
+                              sum(o.cost for o in found_plans[0]) + found_plans[1][1],
                               block_candidates=_block_candidates(cg, lay), exact=False, menu_size=len(options),
                               time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
-    points, plan_cost, exact = [options[i] for i in choice], cost, True
-    if lay.pull is not None and not fits(points, frame, budget_bytes):
+    points, head, exact = [options[i] for i in choice], (extra, charge), True
+    if lay.pull is not None and not fits(points, frame, budget_bytes, extra):
         # the bound's windows leave out what the blocks below hold (a pull may have freed it): its
         # choice may not fit as composed, the plans found so far charged so may
         exact = False
         found_plans = _plans_composed(options, frame, budget_bytes)
         if found_plans is not None:
-            points, plan_cost = found_plans, sum(o.cost for o in found_plans)
-    return BlockBound(bound=cost, saved=_composed(cg, lay, points, list(range(lay.L))), saved_cost=plan_cost,
+            points, head = found_plans
+    return BlockBound(bound=cost, saved=_saved(cg, lay, points, head, the_tail),
+                      saved_cost=sum(o.cost for o in points) + head[1],
                       exact=exact, block_candidates=_block_candidates(cg, lay), menu_size=len(options),
                       time_s=time.perf_counter() - t_start, solves=menu.solves, head_times=head_times)
 
 
-def _plans_composed(options: list[_MenuPoint], frame: _Frame, budget: int) -> list[_MenuPoint] | None:
+def _plans_composed(options: list[_MenuPoint], frame: _Frame, budget: int):
     """The cheapest composition of the plans found so far (no stand-in) on their own saved bytes
     (``F``, what a block holds until its values are first read; labelled ``H`` is the band's least),
-    one per block, or None where none fits."""
+    one per block, and the head menu's point it leaves the tail: (plans, (x, charge)), or None where
+    none fits."""
     plans = [replace(o, H=o.F) for o in options if o.saved is not None and o.F is not None]
     found = _compose(plans, frame, budget, plans=True)
-    return None if found is None else [plans[i] for i in found[1]]
+    return None if found is None else ([plans[i] for i in found[1]], found[2])
+
+
+def _saved(cg: CostGraph, lay: _Layout, points: list[_MenuPoint], head: tuple[int, int], tail) -> set[str]:
+    """The saved set of these block plans, one per block, with the tail (:mod:`.tail`) kept as the head
+    menu's point ``head`` keeps it where a solution of it is known, everything else outside the blocks
+    saved."""
+    saved = _composed(cg, lay, points, list(range(lay.L)))
+    points_, values = tail
+    kept = next((what for x, c, what in points_ if (x, c) == tuple(head)), None)
+    if kept is None:
+        return saved
+    outside = values - _block_candidates(cg, lay)
+    return (saved - outside) | kept
 
 
 def _block_candidates(cg: CostGraph, lay: _Layout) -> set[str]:

@@ -39,6 +39,9 @@ class _Frame:
         fw_times = list(range(cg.fw_index[lay.nodes[-1][-1]] + 1, F))
         bw_times = [bw_time(F, j, slot) for j in range(lay.tau_head) for slot in (0, None)]
         self.pulled = lay.pull is not None
+        #: what the tail keeps at the head's peak against what it recomputes (:mod:`.tail`): a bound
+        #: charges its blocks ``head + x`` there and adds ``T``, for the cheapest point ``(x, T)``
+        self.head_menu: list[tuple[int, int]] = [(0, 0)]
         if self.pulled:
             self.head = max(load(t) for t in fw_times)
             self.head_bw = max((load(t) for t in bw_times), default=0)
@@ -52,12 +55,14 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool 
     ``W_m + off_m + sum_{j<m} H_j`` and ``forward_m + sum_{j<m} H_j`` within the budget, and
     ``head + sum_j H_j`` too: a dynamic programme over blocks in forward order on the Pareto front
     of (summed H, cost), each block's step over every state and option at once (numpy: in Python,
-    the three calls on a bfloat16 Mistral-7B menu of hundreds of options took 40 s). Where
+    the three calls on a bfloat16 Mistral-7B menu of hundreds of options took 40 s); the head's span
+is charged the cheapest point of ``frame.head_menu`` (:mod:`.tail`). Where
     boundaries are pulled (``frame.pulled``; module docstring of :mod:`..blockbound`, 4) H is
     what a block holds until the blocks' backward begins: the windows are ``W_m + off_m`` alone,
     the head's backward its fixed memory, and consecutive blocks' variants agree
     (:func:`_compose_pulled`; ``plans``: the options are plans, composed on what they save). Returns
-    (cost, option index per block), or None when nothing fits."""
+    (cost, option index per block, the head menu's point taken), or None when nothing fits; the cost
+    includes the point's charge."""
     if frame.pulled:
         return _compose_pulled(menu, frame, budget, plans=plans)
     by_w = np.array(sorted(range(len(menu)), key=lambda i: menu[i].W), dtype=np.int64)  # ties: by W
@@ -80,16 +85,20 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool 
         keep = nC < before
         S, C = nS[keep], nC[keep]
         history.append((si[keep], oi[keep]))
-    final = np.nonzero(S + frame.head <= budget)[0]
-    if final.size == 0:
+    best = i = head = None
+    for extra, charge in frame.head_menu:
+        final = np.nonzero(S + frame.head + extra <= budget)[0]
+        if final.size:
+            at = int(final[np.argmin(C[final])])
+            if best is None or int(C[at]) + charge < best:
+                best, i, head = int(C[at]) + charge, at, (extra, charge)
+    if best is None:
         return None
-    i = int(final[np.argmin(C[final])])
-    best = int(C[i])
     choice = []
     for si, oi in reversed(history):
         choice.append(int(by_w[oi[i]]))
         i = int(si[i])
-    return best, choice[::-1]
+    return best, choice[::-1], head
 
 
 #: The most points of the summed-H lattice :func:`_compose_pulled` keeps (a coarser step past it), for
@@ -149,20 +158,27 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
             arg[p, hh:][better] = i
         best = new
         history.append(arg)
-    head = (budget - frame.head) // step
-    if head < 0 or frame.head_bw > budget:
+    if frame.head_bw > budget:
         return None
-    ends = best[:, :head + 1]
-    if ends.min() >= inf:
+    total = chosen = None
+    for extra, charge in frame.head_menu:
+        head = (budget - frame.head - extra) // step
+        if head < 0:
+            continue
+        ends = best[:, :head + 1]
+        if ends.min() >= inf:
+            continue
+        at = np.unravel_index(int(np.argmin(ends)), ends.shape)
+        if total is None or int(ends[at]) + charge < total:
+            total, (p, s), chosen = int(ends[at]) + charge, at, (extra, charge)
+    if total is None:
         return None
-    p, s = np.unravel_index(int(np.argmin(ends)), ends.shape)
-    total = int(ends[p, s])
     choice = []
     for arg in reversed(history):
         i = int(arg[p, s])
         choice.append(i)
         p, s = int(pulls[i]), s - int(h[i])
-    return total, choice[::-1]
+    return total, choice[::-1], chosen
 
 
 def _by_key(h, W, cost, pulled, pulls, n: int) -> list[tuple]:
@@ -202,18 +218,19 @@ def _step_charged(new, arg, best, by_key, room: int, step: int) -> None:
         arg[p, hh:][better] = ids[at][better]
 
 
-def fits(points: list[_MenuPoint], frame: _Frame, budget: int) -> bool:
+def fits(points: list[_MenuPoint], frame: _Frame, budget: int, extra: int = 0) -> bool:
     """Whether these block plans (one per block, forward order) meet the composition's constraints:
     each block's window and forward, and the head's window, under ``budget`` with the held bytes of
     the blocks below (:func:`_compose`). Until the head first reads a block's value nothing of the
     blocks has been recomputed or freed, so there (each block's forward, the head) a plan's blocks
     hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan).
     Where boundaries are pulled the windows are charged ``F`` too, as :func:`_compose_pulled` charges
-    plans (the bound's windows charge nothing: a pull may have freed it)."""
+    plans (the bound's windows charge nothing: a pull may have freed it). ``extra``: what the tail
+    keeps in the head's span (a point of ``frame.head_menu``)."""
     held = saved = 0
     for o, off, fw in zip(points, frame.offsets, frame.forward):
         if saved + fw > budget or o.W + off + (saved if frame.pulled else held) > budget:
             return False
         held += o.H
         saved += o.H if o.F is None else o.F
-    return saved + frame.head <= budget and frame.head_bw <= budget
+    return saved + frame.head + extra <= budget and frame.head_bw <= budget

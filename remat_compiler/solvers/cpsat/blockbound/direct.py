@@ -25,13 +25,13 @@ __all__ = ["direct_plans"]
 
 
 def direct_plans(menu: _Menus, options: list[_MenuPoint], stand: list, choice: list[int], frame: _Frame,
-                 budget: int, deadline: Deadline, workers: int = 2) -> list[_MenuPoint] | None:
+                 budget: int, deadline: Deadline, workers: int = 2, extra: int = 0) -> list[_MenuPoint] | None:
     """One block plan per block for ``choice`` (option indices into ``options``; ``stand[i]`` the band
     or ``(band, point)`` option ``i`` stands for, None for a found plan): found plans kept, each
     stand-in replaced by the cheapest plan of its band holding at most its label and a share of the
     head's spare bytes, under the window peak the choice then leaves (ties to the least W). None if a
     block has no such plan, a solve is not proven by ``deadline``, or the plans do not fit together
-    (:func:`~.compose.fits`)."""
+    (:func:`~.compose.fits`) with the tail keeping ``extra`` bytes in the head's span."""
     unit = menu.menus[0][1].bm.unit  # the variants' models share the block's unit
     # a stand-in's H is its band's least; the plans found may hold more, and until the head's first
     # read of a block they hold all they save (F, :func:`~.compose.fits`): each gets an equal share of
@@ -39,7 +39,7 @@ def direct_plans(menu: _Menus, options: list[_MenuPoint], stand: list, choice: l
     # F, and the windows above are capped as if every share were taken
     labelled = sum(options[i].H if stand[i] is not None or options[i].F is None else options[i].F
                    for i in choice)
-    spare = max(0, budget - frame.head - labelled) // max(1, sum(stand[i] is not None for i in choice))
+    spare = max(0, budget - frame.head - extra - labelled) // max(1, sum(stand[i] is not None for i in choice))
     # where boundaries are pulled, the windows are charged what the blocks below save (:func:`fits`)
     held = saved = 0
     wanted = {}
@@ -64,7 +64,7 @@ def direct_plans(menu: _Menus, options: list[_MenuPoint], stand: list, choice: l
     for caps, blocks in wanted.items():
         for m in blocks:
             points[m] = found[caps]
-    return points if fits(points, frame, budget) else None
+    return points if fits(points, frame, budget, extra) else None
 
 
 def _cheapest(menu: tuple, h_cap: int, w_cap: int, f_cap: int, deadline: Deadline) -> _MenuPoint | None:

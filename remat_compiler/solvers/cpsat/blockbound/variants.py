@@ -23,6 +23,7 @@ class _Menus:
 
     def __init__(self, menus: list[tuple[tuple[int, int] | None, _Menu]]):
         self.menus = menus
+        self.tail: list[tuple[int, int]] | None = None  # the head's menu (:mod:`.tail`), once made
 
     @property
     def solves(self) -> int:

@@ -1,0 +1,167 @@
+"""The head's own menu: what the values outside the blocks (and the last block's values no backward
+step of it reads) hold at the head's forward peak, against what they must recompute.
+
+The decomposition counts what lies outside the blocks as free, beyond the memory every plan has
+(:func:`.layout._fixed_intervals`). At the head's forward peak ``t`` (the largest fixed load after the
+blocks' forward, where the dynamic programme charges ``head + sum_j H_j``) a plan also holds the
+values it keeps there for backward: on a bfloat16 Mistral-7B stack the embedding's output, the
+attention mask, the rotary tables and the final norm's copies, 407 MB at seq 8192 that the bound
+took as free to drop. Dropping one is not free: its recomputation needs its inputs, held at ``t``
+or recomputed in turn, and the chain may reach into the last block (the norm's float32 copy needs
+the last block's output, whose recomputation needs its MLP's matmul).
+
+:func:`head_menu` bounds that trade. For a plan, let ``X`` be the values *of the tail*: candidates
+outside the blocks allocated by ``t`` and last read by the forward before it, and candidates of the
+last block that no backward step of that block reads. At ``t`` the plan holds the bytes of those
+of ``X`` it keeps past ``t`` (nothing of them is counted in ``head`` nor in any ``H_j``, which counts
+only values backward reads); and it recomputes every one of ``X`` that backward reads and it does not
+keep, with, in turn, each input of a recomputed one that it does not keep and that is in ``X``.
+Everything else is taken as available for free: values of the other blocks, values backward reads in
+the last block (their recomputation is counted in that block's plan), what is not a candidate, and
+values the forward still reads at ``t`` (counted in ``head``). What the plan recomputes of ``X``
+costs it beyond its block plans: a tail value outside the blocks no block plan recomputes, and one
+of the last block is charged only where it is not an ancestor within the block of a value its
+backward reads (no block plan recomputes the others). So the least cost of ``X``'s recomputation with
+at most ``x`` bytes kept at ``t``, ``T(x)``, is at most what the plan pays beyond its block plans
+where it keeps ``x``; and its blocks fit ``head + x + sum_j H_j`` within the budget. The menu is the
+staircase of ``T``: points ``(x_k, T_k)``, each ``x_k`` the least bytes kept at cost ``T_k`` (or a
+lower bound on them), the last at ``x = 0``, so that a plan keeping ``x`` is charged, by the point
+with the largest ``x_k <= x``, at most what it pays.
+"""
+from __future__ import annotations
+
+from ortools.sat.python import cp_model
+
+from remat_compiler.clock import Deadline
+from remat_compiler.graph import CostGraph
+from remat_compiler.solvers.cpsat.blockbound.layout import _Layout, _Profile
+from remat_compiler.solvers.cpsat.parts import alloc_index, storage_readers
+from remat_compiler.solvers.cpsat.run import make_solver, run_solver
+
+__all__ = ["head_menu", "MAX_POINTS"]
+
+MAX_POINTS = 32  # staircase points solved at most (the last point, x = 0, is added whatever is left)
+
+
+def head_menu(cg: CostGraph, lay: _Layout, fixed, cost_of, deadline: Deadline
+              ) -> tuple[list[tuple[int, int, frozenset | None]], frozenset]:
+    """The staircase ``[(x_k, T_k, kept)]`` of the module docstring, by decreasing ``x``, with the tail
+    values a solution at the point keeps (None where none is known); ``[(0, 0, None)]`` (the bound as
+    without it) where the head's peak of fixed memory lies in its backward, or the tail has nothing
+    backward reads; and the tail's values."""
+    load = _Profile(fixed)
+    F = lay.F
+    times = list(range(cg.fw_index[lay.nodes[-1][-1]] + 1, F))
+    if not times:
+        return [(0, 0, None)], frozenset()
+    t = max(times, key=load)
+    if lay.pull is None:  # the head's peak there may lie in its backward, before it reads a block
+        from remat_compiler.schedule import bw_time
+        bw = [bw_time(F, j, slot) for j in range(lay.tau_head) for slot in (0, None)]
+        if bw and max(load(u) for u in bw) > load(t):
+            return [(0, 0, None)], frozenset()
+    cands = set(cg.candidates)
+    blocks = set(lay.blocks)
+    last = set(lay.nodes[-1])
+    fw_last = storage_readers(cg)[1]
+    bw_read = {v for v in cands if lay.reads.get(v) or lay.sreads.get(v)}
+
+    def kept_past(v: str) -> bool:  # allocated by t, the forward done with it before t
+        return alloc_index(cg, v) <= t and fw_last.get(cg.storage(v) or v, 0) < t
+
+    tail = set()
+    for v in cands:
+        if cg.is_available_in_bw(v) or not kept_past(v):
+            continue
+        block = cg.attr(v, "block")
+        if block not in blocks or (v in last and v not in bw_read):
+            tail.add(v)
+    needed = {v for v in tail if v in bw_read}
+    if not needed:
+        return [(0, 0, None)], frozenset()
+    # the last block's values its own plan may recompute: ancestors within it of what its backward reads
+    planned, todo = set(), [v for v in lay.nodes[-1] if v in bw_read]
+    while todo:
+        v = todo.pop()
+        if v in planned:
+            continue
+        planned.add(v)
+        todo.extend(u for u in cg.preds(v) if u in last)
+    charge = {v: (0 if v in last and v in planned else int(cost_of(v))) for v in tail}
+
+    m = cp_model.CpModel()
+    keep = {v: m.new_bool_var(f"k{i}") for i, v in enumerate(sorted(tail))}
+    redo = {v: m.new_bool_var(f"r{i}") for i, v in enumerate(sorted(tail))}
+    for v in tail:
+        if cg.attr(v, "never_recompute"):
+            m.add(redo[v] == 0)
+        if v in needed:
+            m.add_bool_or([keep[v], redo[v]])
+        for u in _inputs(cg, v, tail):
+            m.add_bool_or([redo[v].Not(), keep[u], redo[u]])
+    # bytes kept at t, by storage: a view kept keeps its storage
+    owners: dict[str, list[str]] = {}
+    for v in tail:
+        owners.setdefault(cg.storage(v) or v, []).append(v)
+    held = []
+    for owner, views in owners.items():
+        size = int(cg.attr(owner, "bytes"))
+        if size <= 0:
+            continue
+        z = m.new_bool_var(f"z{owner}")
+        for v in views:
+            m.add_implication(keep[v], z)
+        held.append((z, size))
+    kept = sum(size * z for z, size in held)
+    cost = sum(c * redo[v] for v, c in charge.items() if c)
+
+    points: list[tuple[int, int, frozenset | None]] = []
+    cap = None
+    for _ in range(MAX_POINTS):
+        if deadline.left() <= 0:
+            break
+        found = _least(m, cost, kept, cap, deadline)
+        if found is None:  # nothing keeps at most ``cap``: no plan keeps less
+            return (points or [(0, 0, None)]), frozenset(tail)
+        t_k, proven, _ = found
+        if not proven:
+            return points + [(0, t_k, None)], frozenset(tail)
+        found = _least(m, kept, cost, t_k, deadline)
+        if found is None:
+            break
+        x_k, _, solver = found  # a lower bound where not proven: a smaller x only weakens the charge
+        what = None if solver is None else frozenset(v for v in tail if solver.value(keep[v]))
+        points.append((x_k, t_k, what))
+        if x_k <= 0:
+            return points, frozenset(tail)
+        cap = x_k - 1
+    return points + [(0, points[-1][1] if points else 0, None)], frozenset(tail)
+
+
+def _inputs(cg: CostGraph, v: str, tail: set[str]) -> set[str]:
+    """The values of the tail that ``v``'s recomputation reads: its inputs, a view (not a candidate)
+    standing for the value that owns its storage (the last block's output reads its MLP's matmul
+    through a view)."""
+    found = set()
+    for u in cg.preds(v):
+        owner = u if u in tail else cg.storage(u)
+        if owner in tail:
+            found.add(owner)
+    return found
+
+
+def _least(m: cp_model.CpModel, objective, other, cap, deadline: Deadline):
+    """Minimise ``objective`` with ``other <= cap`` (no cap: None): (a lower bound on the least value,
+    whether it is proven, the solver where it holds a solution), or None where nothing meets the cap."""
+    model = m.clone()
+    if cap is not None:
+        model.add(other <= cap)
+    model.minimize(objective)
+    solver = make_solver(max(0.05, min(2.0, deadline.left())), 1, False, 0)
+    status = run_solver(solver, model, None, deadline)
+    if status == cp_model.INFEASIBLE:
+        return None
+    held = solver if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
+    if status == cp_model.OPTIMAL:
+        return int(round(solver.objective_value)), True, held
+    return max(0, int(solver.best_objective_bound)), False, held
