@@ -302,8 +302,7 @@ def test_a_fitting_fix_up_of_a_choice_that_overshoots_is_weighed_against_the_par
         return found
 
     def plan_of(job, found, clock):
-        # the tail's choice: none; the tail-free choice's own: fits, dearly
-        saved = None if not plans else dear if len(plans) == 1 else real_plan_of(job, found, clock)
+        saved = dear if not plans else real_plan_of(job, found, clock)  # the tail-free choice's own: fits, dearly
         plans.append(saved)
         return saved
     monkeypatch.setattr(warmstart, "block_bound", choosing)
@@ -407,7 +406,7 @@ def test_the_plans_found_are_composed_on_what_they_save():
     from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint
 
     frame = SimpleNamespace(offsets=[0, 0, 0], forward=[0, 0, 0], head=40, head_bw=0, pulled=False,
-                            head_menu=[(0, 0)])
+                            head_menu=[(0, 0)], window_extra=0)
     cheap = _MenuPoint(H=10, W=20, cost=1, saved=frozenset({0, 1}), F=30)
     lean = _MenuPoint(H=10, W=20, cost=5, saved=frozenset({0}), F=15)
     standin = _MenuPoint(H=0, W=0, cost=0, saved=None)

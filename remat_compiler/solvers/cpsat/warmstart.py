@@ -174,11 +174,13 @@ def decomposition(job: Job, seconds: float) -> Seed:
         return Seed()
     bound = found.bound
     # the bound's own choice leaves the tail room for what its menu keeps in the head's span (the rest
-    # recomputed: Qwen2-7B at seq 4096 and 0.5, a plan of the bound's cost). Where that is no plan, the
-    # blocks are chosen as if the tail were free, the head charged what their composition overshoots
-    # (Mistral-7B at seq 8192 and 0.3: the tail's choice overshoots 11.5 MB in a block's window, where
-    # the attention mask its recomputation reads is live, which the windows' fixed memory leaves out)
-    saved = _plan_of(job, found, clock.part(clock.left() / 4))
+    # recomputed): where its composition fits, it is the plan (Qwen2-7B at seq 4096 and 0.5: of the
+    # bound's cost). Else the blocks are chosen as if the tail were free, the head charged what their
+    # composition overshoots. The tail's choice gets no fix-up: on Mistral-7B at seq 8192 and 0.3 it
+    # overshoots 11.5 MB in a block's window (the attention mask that block's recomputation reads is
+    # live there, which the windows' fixed memory leaves out), which nothing outside the blocks mends,
+    # and the time its fix-up took left the tail-free choices' fix-ups too little in some runs
+    saved = set(found.saved) if found.saved is not None and _fits(job, found.saved) else None
     if saved is None and clock.left() >= MIN_PHASE_S:
         saved = _charged(job, _rechoose(job, clock, job.budget_bytes, 0, tail=False), clock, tail=False)
     return Seed(bound=bound) if saved is None else Seed(saved, bound, decomposed=True)
@@ -243,9 +245,13 @@ def _plan_of(job: Job, found, clock) -> set[str] | None:
     fix-up's; None where neither fits."""
     if found is None or found.saved is None:
         return None
-    if job.complies(found.saved) and peak_of(job.cg, found.saved) <= job.budget_bytes:
+    if _fits(job, found.saved):
         return set(found.saved)  # it recomputes outside the blocks only what the tail's menu drops
     return _fix_up(job, found, clock)
+
+
+def _fits(job: Job, saved) -> bool:
+    return job.complies(saved) and peak_of(job.cg, saved) <= job.budget_bytes
 
 
 def _fix_up(job: Job, found, clock) -> set[str] | None:

@@ -39,6 +39,15 @@ class _Frame:
         fw_times = list(range(cg.fw_index[lay.nodes[-1][-1]] + 1, F))
         bw_times = [bw_time(F, j, slot) for j in range(lay.tau_head) for slot in (0, None)]
         self.pulled = lay.pull is not None
+        # values outside the blocks that the blocks' forward reads and no backward step does (a
+        # decoder's attention mask): not in the windows' fixed memory, as a plan that recomputes none
+        # of their readers frees them, but live in a window whose block recomputes one. Plans are
+        # charged them in every window (a composition of plans then fits as it claims); the bound not
+        block_nodes = {n for ns in lay.nodes for n in ns}
+        self.window_extra = sum(
+            cg.attr(v, "bytes") for v in cg.candidates
+            if v not in block_nodes and not cg.is_available_in_bw(v) and not lay.sreads.get(v)
+            and not lay.reads.get(v) and any(u in block_nodes for u in cg.g.successors(v)))
         #: what the tail keeps at the head's peak against what it recomputes (:mod:`.tail`): a bound
         #: charges its blocks ``head + x`` there and adds ``T``, for the cheapest point ``(x, T)``
         self.head_menu: list[tuple[int, int]] = [(0, 0)]
@@ -73,7 +82,7 @@ is charged the cheapest point of ``frame.head_menu`` (:mod:`.tail`). Where
     history = []  # per block: (state index, option index) of each front entry
     for off, fw in zip(frame.offsets, frame.forward):
         live = S + fw <= budget
-        ok = live[:, None] & (S[:, None] + W[None, :] + off <= budget)
+        ok = live[:, None] & (S[:, None] + W[None, :] + off + (frame.window_extra if plans else 0) <= budget)
         si, oi = np.nonzero(ok)
         if si.size == 0:
             return None
@@ -139,7 +148,7 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
         new = np.full((2, n), inf, dtype=np.int64)
         arg = np.full((2, n), -1, dtype=np.int64)
         if plans:
-            _step_charged(new, arg, best, by_key, budget - off, step)
+            _step_charged(new, arg, best, by_key, budget - off - frame.window_extra, step)
             best = new
             history.append(arg)
             continue
@@ -225,11 +234,12 @@ def fits(points: list[_MenuPoint], frame: _Frame, budget: int, extra: int = 0) -
     blocks has been recomputed or freed, so there (each block's forward, the head) a plan's blocks
     hold what they save, ``F``, not only ``H``, its least (a stand-in's ``H`` where it has no plan).
     Where boundaries are pulled the windows are charged ``F`` too, as :func:`_compose_pulled` charges
-    plans (the bound's windows charge nothing: a pull may have freed it). ``extra``: what the tail
+    plans (the bound's windows charge nothing: a pull may have freed it), and every window the values
+    outside the blocks only their recomputation reads (``frame.window_extra``). ``extra``: what the tail
     keeps in the head's span (a point of ``frame.head_menu``)."""
     held = saved = 0
     for o, off, fw in zip(points, frame.offsets, frame.forward):
-        if saved + fw > budget or o.W + off + (saved if frame.pulled else held) > budget:
+        if saved + fw > budget or o.W + off + frame.window_extra + (saved if frame.pulled else held) > budget:
             return False
         held += o.H
         saved += o.H if o.F is None else o.F
