@@ -387,7 +387,8 @@ def test_a_plan_holds_what_it_saves_until_the_head_reads_a_block():
     from remat_compiler.solvers.cpsat.blockbound.compose import fits
     from remat_compiler.solvers.cpsat.blockbound.menu import _MenuPoint
 
-    frame = SimpleNamespace(offsets=[0, 0, 0], forward=[10, 10, 10], head=40, head_bw=0, pulled=False)
+    frame = SimpleNamespace(offsets=[0, 0, 0], forward=[10, 10, 10], head=40, head_bw=0, pulled=False,
+                            window_extra=0)
     plan = lambda H, F: _MenuPoint(H=H, W=50, cost=1, saved=frozenset(), F=F)  # noqa: E731
     assert fits([plan(20, 20)] * 3, frame, 100)
     assert not fits([plan(20, 21)] * 3, frame, 100)  # the head: 63 saved + 40 > 100
