@@ -10,23 +10,26 @@ took as free to drop. Dropping one is not free: its recomputation needs its inpu
 or recomputed in turn, and the chain may reach into the last block (the norm's float32 copy needs
 the last block's output, whose recomputation needs its MLP's matmul).
 
-:func:`head_menu` bounds that trade. For a plan, let ``X`` be the values *of the tail*: candidates
-outside the blocks allocated by ``t`` and last read by the forward before it, and candidates of the
-last block that no backward step of that block reads. At ``t`` the plan holds the bytes of those
-of ``X`` it keeps past ``t`` (nothing of them is counted in ``head`` nor in any ``H_j``, which counts
-only values backward reads); and it recomputes every one of ``X`` that backward reads and it does not
-keep, with, in turn, each input of a recomputed one that it does not keep and that is in ``X``.
-Everything else is taken as available for free: values of the other blocks, values backward reads in
-the last block (their recomputation is counted in that block's plan), what is not a candidate, and
-values the forward still reads at ``t`` (counted in ``head``). What the plan recomputes of ``X``
-costs it beyond its block plans: a tail value outside the blocks no block plan recomputes, and one
-of the last block is charged only where it is not an ancestor within the block of a value its
-backward reads (no block plan recomputes the others). So the least cost of ``X``'s recomputation with
-at most ``x`` bytes kept at ``t``, ``T(x)``, is at most what the plan pays beyond its block plans
-where it keeps ``x``; and its blocks fit ``head + x + sum_j H_j`` within the budget. The menu is the
-staircase of ``T``: points ``(x_k, T_k)``, each ``x_k`` the least bytes kept at cost ``T_k`` (or a
-lower bound on them), the last at ``x = 0``, so that a plan keeping ``x`` is charged, by the point
-with the largest ``x_k <= x``, at most what it pays.
+:func:`head_menu` bounds that trade where boundaries are pulled (module docstring of
+:mod:`..blockbound`, 4: ``H_j`` is the bytes block ``j`` saves that its backward, recomputations
+included, reads). For a plan, let ``X`` be the values *of the tail*: candidates outside the blocks
+allocated by ``t`` and last read by the forward before it, and candidates of the last block that are
+not ancestors within it of a value its backward reads (nor such values). At ``t`` the plan holds the
+bytes of those of ``X`` it keeps past ``t``: none of them is counted in ``head`` (the forward is done
+with them, backward has not begun) nor in any ``H_j`` (no block plan reads them in backward: the last
+block's would only through an ancestor of what its backward reads). And it recomputes every one of
+``X`` that backward reads and it does not keep, with, in turn, each input of a recomputed one that it
+does not keep and that is in ``X``; no block plan recomputes any of them, so their cost is beyond the
+block plans'. Everything else is taken as available for free (a relaxation): values of the other
+blocks and the rest of the last block's, what is not a candidate, and values the forward still reads
+at ``t``. So the least cost of ``X``'s recomputation with at most ``x`` bytes kept at ``t``, ``T(x)``,
+is at most what the plan pays beyond its block plans where it keeps ``x``, and its blocks fit
+``head + x + sum_j H_j`` within the budget. The menu is the staircase of ``T``: points ``(x_k, T_k)``,
+each ``x_k`` the least bytes kept at cost ``T_k`` (or a lower bound on them), the last at ``x = 0``
+(or, where no assignment keeps less, at the least ``x`` any keeps), so that a plan keeping ``x`` is
+charged, by the point with the largest ``x_k <= x``, at most what it pays. Without pulled boundaries
+a block's ``H`` may count every byte its plan saves, a tail value of the last block among them, and
+the menu is left out.
 """
 from __future__ import annotations
 
@@ -47,24 +50,32 @@ def head_menu(cg: CostGraph, lay: _Layout, fixed, cost_of, deadline: Deadline
               ) -> tuple[list[tuple[int, int, frozenset | None]], frozenset]:
     """The staircase ``[(x_k, T_k, kept)]`` of the module docstring, by decreasing ``x``, with the tail
     values a solution at the point keeps (None where none is known); ``[(0, 0, None)]`` (the bound as
-    without it) where the head's peak of fixed memory lies in its backward, or the tail has nothing
-    backward reads; and the tail's values."""
+    without it) where boundaries are not pulled, or the tail has nothing backward reads; and the
+    tail's values."""
     load = _Profile(fixed)
     F = lay.F
     times = list(range(cg.fw_index[lay.nodes[-1][-1]] + 1, F))
     if not times:
         return [(0, 0, None)], frozenset()
+    if lay.pull is None:
+        # without pulled boundaries a block holds min(F, D), F every byte its plan saves: a value of
+        # the last block kept for the tail's sake would be counted twice
+        return [(0, 0, None)], frozenset()
     t = max(times, key=load)
-    if lay.pull is None:  # the head's peak there may lie in its backward, before it reads a block
-        from remat_compiler.schedule import bw_time
-        bw = [bw_time(F, j, slot) for j in range(lay.tau_head) for slot in (0, None)]
-        if bw and max(load(u) for u in bw) > load(t):
-            return [(0, 0, None)], frozenset()
     cands = set(cg.candidates)
     blocks = set(lay.blocks)
     last = set(lay.nodes[-1])
     fw_last = storage_readers(cg)[1]
     bw_read = {v for v in cands if lay.reads.get(v) or lay.sreads.get(v)}
+    # the last block's values its own plan may recompute or read in backward: ancestors within it of
+    # what its backward reads (their cost is the block plan's, their bytes may be its H)
+    planned, todo = set(), [v for v in lay.nodes[-1] if v in bw_read]
+    while todo:
+        v = todo.pop()
+        if v in planned:
+            continue
+        planned.add(v)
+        todo.extend(u for u in cg.preds(v) if u in last)
 
     def kept_past(v: str) -> bool:  # allocated by t, the forward done with it before t
         return alloc_index(cg, v) <= t and fw_last.get(cg.storage(v) or v, 0) < t
@@ -74,20 +85,12 @@ def head_menu(cg: CostGraph, lay: _Layout, fixed, cost_of, deadline: Deadline
         if cg.is_available_in_bw(v) or not kept_past(v):
             continue
         block = cg.attr(v, "block")
-        if block not in blocks or (v in last and v not in bw_read):
+        if block not in blocks or (v in last and v not in planned):
             tail.add(v)
     needed = {v for v in tail if v in bw_read}
     if not needed:
         return [(0, 0, None)], frozenset()
-    # the last block's values its own plan may recompute: ancestors within it of what its backward reads
-    planned, todo = set(), [v for v in lay.nodes[-1] if v in bw_read]
-    while todo:
-        v = todo.pop()
-        if v in planned:
-            continue
-        planned.add(v)
-        todo.extend(u for u in cg.preds(v) if u in last)
-    charge = {v: (0 if v in last and v in planned else int(cost_of(v))) for v in tail}
+    charge = {v: int(cost_of(v)) for v in tail}
 
     m = cp_model.CpModel()
     keep = {v: m.new_bool_var(f"k{i}") for i, v in enumerate(sorted(tail))}
