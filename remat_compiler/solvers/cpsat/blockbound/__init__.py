@@ -101,7 +101,7 @@ class BlockBound:
 
     bound: float
     saved: set[str] | None = None
-    saved_cost: float | None = None  # what the blocks of ``saved`` recompute, as their block plans claim
+    saved_cost: float | None = None  # what ``saved`` recomputes, as its block plans and the tail's point claim
     exact: bool = True
     block_candidates: set[str] = field(default_factory=set)
     menu_size: int = 0
