@@ -595,7 +595,7 @@ def test_the_tails_menu_raises_the_bound_and_stays_below_every_optimal_plan():
     assert lay.ok and lay.pull is not None
     flops = lambda n: cost_units(cg, n, "flops")  # noqa: E731
     points, tail = head_menu(cg, lay, _fixed_intervals(cg, lay), flops, Deadline(10))
-    assert any(charge >= min(flops(v) for v in cg.candidates if "mm" in v or "addmm" in v)
+    assert any(charge >= min(flops(v) for v in cg.candidates if "mm" in v)
                for _, charge, _ in points), points
     high = no_recompute(cg).peak_bytes
     low = simulate(cg, build_schedule(cg, set())).peak_bytes // 2

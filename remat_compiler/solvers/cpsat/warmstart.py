@@ -182,14 +182,13 @@ def decomposition(job: Job, seconds: float) -> Seed:
     # and the time its fix-up took left the tail-free choices' fix-ups too little in some runs
     saved = set(found.saved) if found.saved is not None and _fits(job, found.saved) else None
     if saved is None and clock.left() >= MIN_PHASE_S:
-        saved = _charged(job, _rechoose(job, clock, job.budget_bytes, 0, tail=False), clock, tail=False)
+        saved = _charged(job, _rechoose(job, clock, job.budget_bytes, 0), clock)
     return Seed(bound=bound) if saved is None else Seed(saved, bound, decomposed=True)
 
 
-def _charged(job: Job, found, clock, *, tail: bool) -> set[str] | None:
-    """The plan of the choice ``found``, or of choices made again (with the tail's menu or without,
-    as ``found`` was) with parts of, or all of, what its composition overshoots charged
-    (:func:`decomposition`)."""
+def _charged(job: Job, found, clock) -> set[str] | None:
+    """The plan of the choice ``found`` (made as if the tail were free), or of choices made again so
+    with parts of, or all of, what its composition overshoots charged (:func:`decomposition`)."""
     target, head_extra = job.budget_bytes, 0
     for attempt in range(RECHOICES + 1):
         if found is None or found.saved is None:
@@ -208,7 +207,7 @@ def _charged(job: Job, found, clock, *, tail: bool) -> set[str] | None:
         # that finds nothing runs to its end)
         again = over > 0 and attempt < RECHOICES  # chosen again if nothing fits
         parts = sorted({over * k // CHARGE_PARTS for k in range(1, CHARGE_PARTS)} - {0}) if again else []
-        own = _plan_of(job, found, clock)
+        own = set(found.saved) if over <= 0 and job.complies(found.saved) else _fix_up(job, found, clock)
         plans = [] if own is None else [own]
         span = found.head_times
         in_head = span is not None and span[0] <= sim.peak_time <= span[1]
@@ -217,7 +216,7 @@ def _charged(job: Job, found, clock, *, tail: bool) -> set[str] | None:
                 break
             share = clock.part(clock.left() / (len(parts) - i + 1))
             saved = _plan_of(job, _rechoose(job, share, target - (0 if in_head else part),
-                                            head_extra + (part if in_head else 0), tail=tail), share)
+                                            head_extra + (part if in_head else 0)), share)
             if saved is not None:
                 plans.append(saved)
         if plans:
@@ -228,16 +227,17 @@ def _charged(job: Job, found, clock, *, tail: bool) -> set[str] | None:
             head_extra += over
         else:
             target -= over
-        found = _rechoose(job, clock, target, head_extra, tail=tail)
+        found = _rechoose(job, clock, target, head_extra)
     return None
 
 
-def _rechoose(job: Job, clock, target: int, head_extra: int, *, tail: bool):
-    """The bound's choice of block plans again, from the same menus (with the tail's menu or as if
-    the tail were free), under ``target`` with the head's window charged ``head_extra`` more."""
+def _rechoose(job: Job, clock, target: int, head_extra: int):
+    """The bound's choice of block plans again, from the same menus, as if the tail were free, under
+    ``target`` with the head's window charged ``head_extra`` more (the tail kept as the tail's menu
+    keeps it within that)."""
     return block_bound(job.cg, target, job.cost_of, deadline=clock.part(SHARES["bound"] * clock.left()),
                        menus=job.memo.menus, cost_key=job.objective, accept=job.meets, head_extra=head_extra,
-                       tail=tail)
+                       tail=False)
 
 
 def _plan_of(job: Job, found, clock) -> set[str] | None:

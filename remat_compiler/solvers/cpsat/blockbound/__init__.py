@@ -178,8 +178,7 @@ def block_bound(cg: CostGraph, budget_bytes: int, cost_of, *, deadline: Deadline
         # the menu's point of the most bytes within it does (a point's charge is not the bound's)
         within = [p for p in menu.tail[0] if p[0] <= head_extra and p[2] is not None]
         if within:
-            x, c, what = max(within, key=lambda p: p[0])
-            the_tail = ([(0, 0, what)], menu.tail[1])
+            the_tail = ([(0, 0, max(within, key=lambda p: p[0])[2])], menu.tail[1])
     while True:
         options, stand = menu.options()
         found = _compose(options, frame, budget_bytes)
@@ -244,7 +243,7 @@ def _saved(cg: CostGraph, lay: _Layout, points: list[_MenuPoint], head: tuple[in
     saved."""
     saved = _composed(cg, lay, points, list(range(lay.L)))
     points_, values = tail
-    kept = next((what for x, c, what in points_ if (x, c) == tuple(head)), None)
+    kept = next((what for x, c, what in points_ if (x, c) == head), None)
     if kept is None:
         return saved
     outside = values - _block_candidates(cg, lay)

@@ -46,8 +46,8 @@ class _Frame:
         block_nodes = {n for ns in lay.nodes for n in ns}
         self.window_extra = sum(
             cg.attr(v, "bytes") for v in cg.candidates
-            if v not in block_nodes and not cg.is_available_in_bw(v) and not lay.sreads.get(v)
-            and not lay.reads.get(v) and any(u in block_nodes for u in cg.g.successors(v)))
+            if v not in block_nodes and not cg.is_available_in_bw(v) and not lay.read_in_backward(v)
+            and any(u in block_nodes for u in cg.g.successors(v)))
         #: what the tail keeps at the head's peak against what it recomputes (:mod:`.tail`): a bound
         #: charges its blocks ``head + x`` there and adds ``T``, for the cheapest point ``(x, T)``
         self.head_menu: list[tuple[int, int]] = [(0, 0)]

@@ -102,6 +102,10 @@ class _Layout:
                     return
         self.ok = True
 
+    def read_in_backward(self, v: str) -> bool:
+        """Whether a backward step reads ``v``, directly or through a view of its storage."""
+        return bool(self.reads.get(v) or self.sreads.get(v))
+
     def _pulled_boundary(self, cg: CostGraph) -> int | None:
         """Where no block's value is read by backward before its window: the position in its block
         of the one value each block's successor (the head, for the last) reads in forward, the

@@ -33,6 +33,7 @@ the menu is left out.
 """
 from __future__ import annotations
 
+import networkx as nx
 from ortools.sat.python import cp_model
 
 from remat_compiler.clock import Deadline
@@ -52,30 +53,21 @@ def head_menu(cg: CostGraph, lay: _Layout, fixed, cost_of, deadline: Deadline
     values a solution at the point keeps (None where none is known); ``[(0, 0, None)]`` (the bound as
     without it) where boundaries are not pulled, or the tail has nothing backward reads; and the
     tail's values."""
-    load = _Profile(fixed)
-    F = lay.F
-    times = list(range(cg.fw_index[lay.nodes[-1][-1]] + 1, F))
-    if not times:
-        return [(0, 0, None)], frozenset()
-    if lay.pull is None:
+    times = range(cg.fw_index[lay.nodes[-1][-1]] + 1, lay.F)
+    if lay.pull is None or not times:
         # without pulled boundaries a block holds min(F, D), F every byte its plan saves: a value of
         # the last block kept for the tail's sake would be counted twice
         return [(0, 0, None)], frozenset()
-    t = max(times, key=load)
+    t = max(times, key=_Profile(fixed))
     cands = set(cg.candidates)
     blocks = set(lay.blocks)
     last = set(lay.nodes[-1])
     fw_last = storage_readers(cg)[1]
-    bw_read = {v for v in cands if lay.reads.get(v) or lay.sreads.get(v)}
+    bw_read = {v for v in cands if lay.read_in_backward(v)}
     # the last block's values its own plan may recompute or read in backward: ancestors within it of
     # what its backward reads (their cost is the block plan's, their bytes may be its H)
-    planned, todo = set(), [v for v in lay.nodes[-1] if v in bw_read]
-    while todo:
-        v = todo.pop()
-        if v in planned:
-            continue
-        planned.add(v)
-        todo.extend(u for u in cg.preds(v) if u in last)
+    within = cg.g.subgraph(last)
+    planned = {u for v in last & bw_read for u in (v, *nx.ancestors(within, v))}
 
     def kept_past(v: str) -> bool:  # allocated by t, the forward done with it before t
         return alloc_index(cg, v) <= t and fw_last.get(cg.storage(v) or v, 0) < t
@@ -164,7 +156,7 @@ def _least(m: cp_model.CpModel, objective, other, cap, deadline: Deadline):
     status = run_solver(solver, model, None, deadline)
     if status == cp_model.INFEASIBLE:
         return None
-    held = solver if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
+    solution = solver if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if status == cp_model.OPTIMAL:
-        return int(round(solver.objective_value)), True, held
-    return max(0, int(solver.best_objective_bound)), False, held
+        return int(round(solver.objective_value)), True, solution
+    return max(0, int(solver.best_objective_bound)), False, solution
