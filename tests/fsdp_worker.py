@@ -105,8 +105,8 @@ def _shards(model) -> dict:
 
 
 def train(model, step_fn, params=None, steps: int = STEPS, allocator_steps: int = ALLOCATOR_STEPS) -> dict:
-    """``steps`` optimizer steps (:func:`_optimizer`) of ``step_fn(model) -> loss tensor``, each step alone measured; the first
-    step's gradients and every step's loss and measured peak; then ``allocator_steps`` more steps
+    """``steps`` optimizer steps (:func:`_optimizer`) of ``step_fn(model) -> loss tensor``, each
+    step alone measured; the first step's gradients and every step's loss and measured peak; then ``allocator_steps`` more steps
     (no optimizer step) measured by the allocator (:class:`~remat_compiler.memory.AllocatorPeak`, which
     also sees what gloo allocates inside a collective and when its thread frees it)."""
     opt = _optimizer(params if params is not None else model.parameters())
