@@ -59,7 +59,8 @@ class _Frame:
             self.head_bw = 0
 
 
-def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool = False):
+def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool = False,
+             lattice: int | None = None):
     """Least summed cost of one option per block with, for every block ``m``,
     ``W_m + off_m + sum_{j<m} H_j`` and ``forward_m + sum_{j<m} H_j`` within the budget, and
     ``head + sum_j H_j`` too: a dynamic programme over blocks in forward order on the Pareto front
@@ -73,7 +74,7 @@ is charged the cheapest point of ``frame.head_menu`` (:mod:`.tail`). Where
     (cost, option index per block, the head menu's point taken), or None when nothing fits; the cost
     includes the point's charge."""
     if frame.pulled:
-        return _compose_pulled(menu, frame, budget, plans=plans)
+        return _compose_pulled(menu, frame, budget, plans=plans, lattice=lattice)
     by_w = np.array(sorted(range(len(menu)), key=lambda i: menu[i].W), dtype=np.int64)  # ties: by W
     H = np.array([menu[i].H for i in by_w], dtype=np.int64)
     W = np.array([menu[i].W for i in by_w], dtype=np.int64)
@@ -118,14 +119,16 @@ LATTICE_MAX = 1 << 15
 PLAN_LATTICE_MAX = 1 << 14
 
 
-def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool):
+def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool,
+                    lattice: int | None = None):
     """:func:`_compose` where boundaries are pulled. A block's window no longer depends on what the
     blocks before it hold, so each option is allowed or not per block by its own ``W``, and of the
     allowed options with the same H and variant only the cheapest matters: a min-plus programme on a
     lattice of summed H (the menu's H are its bands' labels, multiples of one step: on a 70B stack of
     80 blocks, 1,668 options, the Pareto programme took 110 s), one cost array per ``pulled`` of the
     last block. Where the step is finer than ``budget / LATTICE_MAX`` a coarser one is taken, H
-    rounded down for a bound (a relaxation) and up for ``plans`` (what fits so, fits)."""
+    rounded down for a bound (a relaxation) and up for ``plans`` (what fits so, fits); ``lattice``:
+    the most points, in place of :data:`LATTICE_MAX` or :data:`PLAN_LATTICE_MAX`."""
     H = np.array([o.H for o in menu], dtype=np.int64)
     W = np.array([o.W for o in menu], dtype=np.int64)
     cost = np.array([o.cost for o in menu], dtype=np.int64)
@@ -133,7 +136,7 @@ def _compose_pulled(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans
     pulls = np.array([o.variant[1] for o in menu], dtype=np.int64)
     rank = [(o.cost, o.W, o.H if o.F is None else o.F) for o in menu]
     step = int(np.gcd.reduce(H[H > 0])) if (H > 0).any() else 1
-    most = PLAN_LATTICE_MAX if plans else LATTICE_MAX
+    most = lattice or (PLAN_LATTICE_MAX if plans else LATTICE_MAX)
     if budget // step + 1 > most:
         step = -(-budget // (most - 1))
     h = -(-H // step) if plans else H // step
