@@ -623,3 +623,42 @@ def test_the_tails_menu_raises_the_bound_and_stays_below_every_optimal_plan():
                 proven += 1
                 assert with_tail.bound <= cost, (objective, budget)
     assert raised >= 1 and proven >= 6
+
+
+def test_where_the_choice_does_not_fit_plans_come_from_the_whole_menu(monkeypatch):
+    """Where the bound's choice does not fit as composed (a pulled stack's windows charge nothing for
+    the blocks below), the plans are chosen from the whole menu (``_plans_refined``: the bands the
+    plans' programme picks refined), not only from those found for the choice: never dearer than
+    those, cheaper at some budgets, and the composition fits when simulated."""
+    import remat_compiler.solvers.cpsat.blockbound as bbm
+    from remat_compiler.schedule import no_recompute
+
+    torch.manual_seed(0)
+    _, cg = rc.analyze(PulledStack(6, 16, 64), (torch.randn(256, 16, requires_grad=True),))
+    ran = []
+    refined = bbm._plans_refined
+
+    def spy(menu, frame, budget, deadline):
+        found_for_choice = bbm._plans_composed(menu.options()[0], frame, budget)
+        got = refined(menu, frame, budget, deadline)
+        ran.append((found_for_choice, got))
+        return got
+
+    monkeypatch.setattr(bbm, "_plans_refined", spy)
+    cost = lambda found: sum(o.cost for o in found[0]) + found[1][1]  # noqa: E731
+    high = no_recompute(cg).peak_bytes
+    low = simulate(cg, build_schedule(cg, set())).peak_bytes // 2
+    cheaper = 0
+    for budget in range(low, high, (high - low) // 12):
+        ran.clear()
+        found = block_bound(cg, budget, lambda n: cost_units(cg, n, "runtime"), deadline=Deadline(30))
+        if not ran:
+            continue
+        (for_choice, got), = ran
+        if for_choice is not None:
+            assert got is not None and cost(got) <= cost(for_choice), budget
+            cheaper += cost(got) < cost(for_choice)
+        if got is not None:
+            assert found.saved_cost == cost(got) >= found.bound, budget
+            assert simulate(cg, build_schedule(cg, found.saved)).peak_bytes <= budget, budget
+    assert cheaper >= 1
