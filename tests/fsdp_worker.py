@@ -4,9 +4,10 @@ Every rank builds the same models from seed 0, shards them with FSDP2 as users w
 (``fully_shard`` on each block, then on the root), takes its own batch, and runs FSDP2 eagerly as
 the reference and :func:`remat_compiler.compile` of a fresh copy. It saves to
 ``out_dir/rank{r}.pt``: the losses, every parameter's sharded gradient (the DTensor ``.grad``'s
-local tensor) and, after 5 SGD steps with momentum, every parameter shard, for both; the compiled module's
-plan (digest, predicted peak, budget, per-unit reshard choices, explain text) and the measured
-peak of each of its steps (:class:`~remat_compiler.memory.LiveStorageTracker`, the step alone);
+local tensor) and, after 5 SGD steps with momentum, every parameter shard, for both; the
+compiled module's plan (digest, predicted peak, budget, per-unit reshard choices, explain text)
+and the measured peak of each of its steps (:class:`~remat_compiler.memory.LiveStorageTracker`,
+the step alone);
 a ``torch.distributed.checkpoint`` round trip of the compiled model's state; and the library
 errors the refused setups raise. One spawn for all of it: each costs seconds of start-up.
 """
@@ -29,14 +30,6 @@ from remat_compiler.memory import AllocatorPeak, LiveStorageTracker
 __all__ = ["make_chain", "make_llama", "run_rank", "STEPS", "MP", "CPSAT"]
 
 STEPS = 5
-#: The optimizer of every comparison after training: SGD with momentum, whose shards are a linear
-#: function of every step's gradients, so a tight tolerance on them checks each step's gradients. AdamW's
-#: step ``lr * m / (sqrt(v) + eps)`` divides by the gradient's own size: a rounding difference
-#: relative to a gradient near zero moves a weight by up to ``lr`` (seen on one machine: a Llama
-#: v_proj shard 1.04e-3 from eager's at lr 1e-2; with eps 1e-5, 3e-6), and no tolerance is both
-#: tight and safe.
-def _optimizer(params):
-    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
 #: Steps measured by the allocator after training; the least must be the prediction. A few: a tensor
 #: freed on gloo's thread has no free in the profiler's events and counts as live to the end of the
 #: step; the eager release waits for gloo's last reference where the work holds the tensor as it
@@ -104,11 +97,22 @@ def _shards(model) -> dict:
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
+def _optimizer(params):
+    """The optimizer of every comparison after training: SGD with momentum, whose shards are a linear
+    function of every step's gradients, so a tight tolerance on them checks each step's gradients.
+    AdamW's step ``lr * m / (sqrt(v) + eps)`` divides by the gradient's own size: a rounding
+    difference relative to a gradient near zero moves a weight by up to ``lr`` (seen on one machine:
+    a Llama v_proj shard 1.04e-3 from eager's at lr 1e-2; with eps 1e-5, 3e-6), and no tolerance is
+    both tight and safe."""
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
 def train(model, step_fn, params=None, steps: int = STEPS, allocator_steps: int = ALLOCATOR_STEPS) -> dict:
     """``steps`` optimizer steps (:func:`_optimizer`) of ``step_fn(model) -> loss tensor``, each
-    step alone measured; the first step's gradients and every step's loss and measured peak; then ``allocator_steps`` more steps
-    (no optimizer step) measured by the allocator (:class:`~remat_compiler.memory.AllocatorPeak`, which
-    also sees what gloo allocates inside a collective and when its thread frees it)."""
+    step alone measured; the first step's gradients and every step's loss and measured peak; then
+    ``allocator_steps`` more steps (no optimizer step) measured by the allocator
+    (:class:`~remat_compiler.memory.AllocatorPeak`, which also sees what gloo allocates inside a
+    collective and when its thread frees it)."""
     opt = _optimizer(params if params is not None else model.parameters())
     out = {"losses": [], "peaks": []}
     for i in range(steps):

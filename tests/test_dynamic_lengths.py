@@ -431,7 +431,7 @@ def test_the_walk_reads_symbolic_sizes_and_a_range_refuses_code_not_monotone_in_
         backend.accept(SimpleNamespace(planned=SimpleNamespace()), rng)
 
 
-#: AdamW's eps where weights after training are compared with eager's. Adam's step is
+#: AdamW's eps where GPT-2's weights after training are compared with eager's. Adam's step is
 #: ``lr * g / (|g| + eps)``, of slope ``1 / eps`` at ``g = 0``; GPT-2's key bias has a gradient of
 #: zero in exact arithmetic (softmax is shift-invariant along a row), so at torch's default eps (1e-8)
 #: its rounding noise alone moved it 1.3e-6 apart from eager's in 4 steps on one machine (one torch
@@ -472,7 +472,7 @@ def test_dataloader_with_dynamic_padding_trains_like_eager(solves):
     for name in ("eager", "compiled"):
         model = copy.deepcopy(hf)
         step_model = rc.compile(model, memory_budget=0.6, max_seq_len=32, time_limit_s=2) if name == "compiled" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=_pad)
         losses[name] = []
         for i, batch in enumerate(loader):

@@ -246,7 +246,7 @@ def _plans_refined(menu: _Menus, frame: _Frame, budget: int, deadline: Deadline)
     while deadline.left() > took:
         started = time.perf_counter()
         options, stand = menu.options()
-        plans = [replace(o, H=o.F) if o.saved is not None and o.F is not None else o for o in options]
+        plans = [_on_saved(o) or o for o in options]  # a stand-in as it is: its H, the least
         found = _compose(plans, frame, budget, plans=True, lattice=EXPLORE_LATTICE)
         if found is None:
             break
@@ -262,9 +262,15 @@ def _plans_composed(options: list[_MenuPoint], frame: _Frame, budget: int):
     (``F``, what a block holds until its values are first read; labelled ``H`` is the band's least),
     one per block, and the head menu's point it leaves the tail: (plans, (x, charge)), or None where
     none fits."""
-    plans = [replace(o, H=o.F) for o in options if o.saved is not None and o.F is not None]
+    plans = [p for p in map(_on_saved, options) if p is not None]
     found = _compose(plans, frame, budget, plans=True)
     return None if found is None else ([plans[i] for i in found[1]], found[2])
+
+
+def _on_saved(o: _MenuPoint) -> _MenuPoint | None:
+    """A found plan labelled with what it saves (``H`` = ``F``) for a composition of plans; None for a
+    stand-in."""
+    return replace(o, H=o.F) if o.saved is not None and o.F is not None else None
 
 
 def _saved(cg: CostGraph, lay: _Layout, points: list[_MenuPoint], head: tuple[int, int], tail) -> set[str]:

@@ -66,11 +66,11 @@ def _compose(menu: list[_MenuPoint], frame: _Frame, budget: int, *, plans: bool 
     ``head + sum_j H_j`` too: a dynamic programme over blocks in forward order on the Pareto front
     of (summed H, cost), each block's step over every state and option at once (numpy: in Python,
     the three calls on a bfloat16 Mistral-7B menu of hundreds of options took 40 s); the head's span
-is charged the cheapest point of ``frame.head_menu`` (:mod:`.tail`). Where
-    boundaries are pulled (``frame.pulled``; module docstring of :mod:`..blockbound`, 4) H is
-    what a block holds until the blocks' backward begins: the windows are ``W_m + off_m`` alone,
-    the head's backward its fixed memory, and consecutive blocks' variants agree
-    (:func:`_compose_pulled`; ``plans``: the options are plans, composed on what they save). Returns
+    is charged the cheapest point of ``frame.head_menu`` (:mod:`.tail`). Where boundaries are pulled
+    (``frame.pulled``; module docstring of :mod:`..blockbound`, 4) H is what a block holds until the
+    blocks' backward begins: the windows are ``W_m + off_m`` alone, the head's backward its fixed
+    memory, and consecutive blocks' variants agree (:func:`_compose_pulled`, on a lattice of at most
+    ``lattice`` points where given; ``plans``: the options are plans, composed on what they save). Returns
     (cost, option index per block, the head menu's point taken), or None when nothing fits; the cost
     includes the point's charge."""
     if frame.pulled:
